@@ -1,0 +1,1 @@
+"""splitserve command-line entry point."""

@@ -19,6 +19,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, SampledToken
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
+from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -116,8 +117,7 @@ class Engine:
         token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
-        if params.seed is not None:
-            request.generator = self.runner.make_generator(params.seed)
+        request.generator = make_generator(params, self.runner.device)
         self.scheduler.add(request)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)

@@ -66,9 +66,6 @@ class ModelRunner:
         )
         self.sampler = Sampler()
 
-    def make_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
-
     # -- inputs ------------------------------------------------------------------------
     def prepare_batch(
         self, out: SchedulerOutput, block_ids: dict[str, list[int]]

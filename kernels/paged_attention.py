@@ -85,9 +85,10 @@ def paged_attention_ref(
     Decode sequences (q_len == 1) go through one batched SDPA call, their keys padded to
     the longest of them and masked; prefill sequences (q_len > 1) get one call each over
     exactly their context, with ``is_causal`` when there is no cached prefix. So a
-    prefill, and a decode batch whose sequences have equal lengths, are computed exactly
-    as Hugging Face's SDPA attention computes them (bit for bit); a decode batch of
-    mixed lengths differs from unpadded calls only by float rounding (~1e-7 in float32).
+    prefill sequence, and a lone decode sequence, get the very SDPA call transformers
+    makes for them and match it bit for bit. With several decode sequences the padding,
+    and the CPU SDPA kernel's work split (it depends on batch size and thread count),
+    change float rounding only (~1e-7 in float32).
     """
     _check_paged_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     block_size = k_cache.shape[1]

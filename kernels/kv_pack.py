@@ -22,7 +22,9 @@ def _as_block_ids(block_ids: torch.Tensor | Sequence[int], device: torch.device)
     if not isinstance(block_ids, torch.Tensor):
         return torch.tensor(list(block_ids), dtype=torch.int64, device=device)
     if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_ids must be 1-D int32/int64, got {tuple(block_ids.shape)} {block_ids.dtype}")
+        raise ValueError(
+            f"block_ids must be 1-D int32/int64, got {tuple(block_ids.shape)} {block_ids.dtype}"
+        )
     return block_ids.to(device)
 
 
@@ -57,7 +59,7 @@ def pack_kv_ref(
 
 
 def unpack_kv_ref(
-    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], written
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], written
     buffer: torch.Tensor,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
     block_ids: torch.Tensor | Sequence[int],  # [n]
 ) -> None:
@@ -127,14 +129,16 @@ def pack_kv_triton(
     _check_kv_cache(kv_cache)
     ids = _as_block_ids(block_ids, kv_cache.device).contiguous()
     buffer = torch.empty(
-        (*kv_cache.shape[:2], ids.shape[0], *kv_cache.shape[3:]), dtype=kv_cache.dtype, device=kv_cache.device
+        (*kv_cache.shape[:2], ids.shape[0], *kv_cache.shape[3:]),
+        dtype=kv_cache.dtype,
+        device=kv_cache.device,
     )
     _launch_copy_pages(kv_cache, buffer, ids, gather=True)
     return buffer
 
 
 def unpack_kv_triton(
-    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], written
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], written
     buffer: torch.Tensor,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
     block_ids: torch.Tensor | Sequence[int],  # [n]
 ) -> None:

@@ -37,7 +37,10 @@ def _check_write_kv_args(
             f"key, value, k_cache, v_cache must share a dtype, got "
             f"{key.dtype}, {value.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
-    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
+    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
         raise ValueError(
             f"slot_mapping must be [num_tokens={key.shape[0]}] int32/int64, "
             f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
@@ -92,10 +95,14 @@ def _write_kv_kernel(
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     cache_offs = slot * stride_cache_slot + offs_h[:, None] * stride_cache_head + offs_d[None, :]
 
-    k = tl.load(key_ptr + tok * stride_key_tok + offs_h[:, None] * stride_key_head + offs_d[None, :], mask=mask)
+    k = tl.load(
+        key_ptr + tok * stride_key_tok + offs_h[:, None] * stride_key_head + offs_d[None, :],
+        mask=mask,
+    )
     tl.store(k_cache_ptr + cache_offs, k, mask=mask)
     v = tl.load(
-        value_ptr + tok * stride_value_tok + offs_h[:, None] * stride_value_head + offs_d[None, :], mask=mask
+        value_ptr + tok * stride_value_tok + offs_h[:, None] * stride_value_head + offs_d[None, :],
+        mask=mask,
     )
     tl.store(v_cache_ptr + cache_offs, v, mask=mask)
 

@@ -57,7 +57,7 @@ def pack_kv(
 
 
 def unpack_kv(
-    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], written
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], written
     buffer: torch.Tensor,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
     block_ids: torch.Tensor | Sequence[int],  # [n]
 ) -> None:

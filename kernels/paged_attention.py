@@ -31,7 +31,9 @@ def _check_paged_attention_args(
     query_start_loc: torch.Tensor,
 ) -> None:
     if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+        raise ValueError(
+            f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+        )
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
@@ -44,7 +46,9 @@ def _check_paged_attention_args(
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if not query.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(f"query/k_cache/v_cache dtypes differ: {query.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"query/k_cache/v_cache dtypes differ: {query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     num_seqs = seq_lens.shape[0]
     if seq_lens.dim() != 1 or query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(
@@ -52,8 +56,15 @@ def _check_paged_attention_args(
             f"got {tuple(seq_lens.shape)} and {tuple(query_start_loc.shape)}"
         )
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
+            f"got {tuple(block_tables.shape)}"
+        )
+    for name, t in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
 
@@ -64,7 +75,7 @@ def _check_paged_attention_args(
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, ctx_len: int) -> torch.Tensor:
-    """cache [num_blocks, block_size, kv_heads, D], pages [..., n] -> [..., kv_heads, ctx_len, D]."""
+    """cache [num_blocks, block_size, kv_heads, D], pages [..., n] -> [..., kv_heads, ctx, D]."""
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     gathered = cache[pages.long()]  # [..., n, block_size, kv_heads, D]
     flat = gathered.view(*pages.shape[:-1], pages.shape[-1] * block_size, num_kv_heads, head_dim)
@@ -95,7 +106,9 @@ def paged_attention_ref(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != query.shape[0]:
-        raise ValueError(f"query_start_loc must run from 0 to num_tokens={query.shape[0]}, got {starts}")
+        raise ValueError(
+            f"query_start_loc must run from 0 to num_tokens={query.shape[0]}, got {starts}"
+        )
     max_ctx = block_tables.shape[1] * block_size
     out = torch.empty_like(query)
     decode_seqs: list[int] = []
@@ -109,9 +122,13 @@ def paged_attention_ref(
         if q_len == 1:
             decode_seqs.append(s)
         elif q_len > 1:
-            _prefill_one_ref(out, query, k_cache, v_cache, block_tables[s], starts[s], q_len, seq_len, scale)
+            _prefill_one_ref(
+                out, query, k_cache, v_cache, block_tables[s], starts[s], q_len, seq_len, scale
+            )
     if decode_seqs:
-        _decode_batch_ref(out, query, k_cache, v_cache, block_tables, decode_seqs, starts, lens, scale)
+        _decode_batch_ref(
+            out, query, k_cache, v_cache, block_tables, decode_seqs, starts, lens, scale
+        )
     return out
 
 
@@ -132,11 +149,16 @@ def _prefill_one_ref(
     q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
     enable_gqa = q.shape[1] != k.shape[1]
     if seq_len == q_len:  # no cached prefix: plain causal, as transformers calls it
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
     else:  # query j sits at position seq_len - q_len + j
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        key_pos = torch.arange(seq_len, device=query.device)
+        mask = key_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        )
     out[start : start + q_len] = o[0].transpose(0, 1)
 
 
@@ -163,8 +185,8 @@ def _decode_batch_ref(
     q = query[tok_idx].unsqueeze(2)  # [n, heads, 1, D]
     mask = None
     if min(dec_lens) != ctx_len:
-        lens_t = torch.tensor(dec_lens, device=device)
-        mask = (torch.arange(ctx_len, device=device)[None, :] < lens_t[:, None]).view(-1, 1, 1, ctx_len)
+        lens_t = torch.tensor(dec_lens, device=device)[:, None, None, None]
+        mask = torch.arange(ctx_len, device=device) < lens_t  # [n, 1, 1, ctx_len]
     enable_gqa = q.shape[1] != k.shape[1]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     out[tok_idx] = o.squeeze(2)
@@ -263,8 +285,14 @@ def _paged_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         page = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_offs = page * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-        k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
+        kv_offs = (
+            page * stride_cache_block
+            + (offs_n % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )
+        k = tl.load(
+            k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
+        )
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -273,13 +301,19 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(
+            v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
+        )
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         m_i = m_new
 
     acc = acc / l_i[:, None]
     o_rows = (q_start + q_tok).to(tl.int64) * stride_o_tok + q_head * stride_o_head
-    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(
+        out_ptr + o_rows[:, None] + offs_d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
 
 
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows on GPU
@@ -306,7 +340,9 @@ def paged_attention_triton(
         raise ValueError("query must have a unit stride along head_dim")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if block_tables.stride(1) != 1 or not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
+    if block_tables.stride(1) != 1 or not (
+        seq_lens.is_contiguous() and query_start_loc.is_contiguous()
+    ):
         raise ValueError("block_tables rows, seq_lens and query_start_loc must be contiguous")
 
     out = torch.empty_like(query, memory_format=torch.contiguous_format)

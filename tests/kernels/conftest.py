@@ -1,14 +1,14 @@
 """Kernel tests run the Triton kernels on CPU tensors under Triton's interpreter.
 
-``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is *defined* (triton 3.x:
-``knobs.runtime.interpret`` in ``jit()``), not at launch. So the variable is set here,
-before any kernel module is imported, and a kernel module that some earlier-collected test
-already imported is reloaded so its kernels are redefined as interpreted ones. Reloading
-keeps the module object, so launchers bound elsewhere (kernels.ops) see the new kernels.
-test_paged_attention.py checks that this took effect.
+Triton 3.x reads ``TRITON_INTERPRET`` (``triton.knobs.runtime.interpret``) in ``triton.jit``,
+i.e. whenever a jit function is *defined*: Triton's own library functions (``tl.zeros``,
+``tl.sum``, ...) when ``triton`` is imported, our kernels when ``kernels.*`` is imported.
+So it must be set before anything imports triton in this process. It is set here; when a
+test module collected earlier has already imported triton without it, collection stops
+with an error saying so (set ``TRITON_INTERPRET=1`` in tests/conftest.py or the shell).
+test_paged_attention.py::test_kernel_is_interpreted checks that it took effect.
 """
 
-import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -16,10 +16,17 @@ from dataclasses import dataclass
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-KERNEL_MODULES = ("kernels.kv_write", "kernels.paged_attention", "kernels.kv_pack")
-for _name in KERNEL_MODULES:
-    if _name in sys.modules:
-        importlib.reload(sys.modules[_name])
+
+def _triton_imported_without_interpreter() -> bool:
+    standard = sys.modules.get("triton.language.standard")
+    return standard is not None and type(standard.zeros).__name__ != "InterpretedFunction"
+
+
+if _triton_imported_without_interpreter():
+    raise RuntimeError(
+        "triton was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1, so the "
+        "kernels cannot run on CPU; set TRITON_INTERPRET=1 earlier (tests/conftest.py or the shell)"
+    )
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -41,7 +48,14 @@ class PagedBatch:
 
     @property
     def args(self) -> tuple[torch.Tensor, ...]:
-        return (self.query, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc)
+        return (
+            self.query,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+        )
 
 
 def make_paged_batch(
@@ -57,7 +71,9 @@ def make_paged_batch(
     spare_blocks: int = 3,
 ) -> PagedBatch:
     """Random K/V/Q; every sequence gets distinct, shuffled blocks (block 0 included)."""
-    assert len(q_lens) == len(seq_lens) and all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
+    assert len(q_lens) == len(seq_lens) and all(
+        0 <= q <= s for q, s in zip(q_lens, seq_lens, strict=True)
+    )
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(pages_per_seq) + spare_blocks

@@ -69,7 +69,12 @@ def test_kernel_is_interpreted() -> None:
 def test_reference_matches_dense_attention(paged_batch, name, block_size, queries_per_kv) -> None:
     q_lens, seq_lens = BATCHES[name]
     batch = paged_batch(
-        q_lens, seq_lens, block_size=block_size, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=32
+        q_lens,
+        seq_lens,
+        block_size=block_size,
+        num_kv_heads=2,
+        queries_per_kv=queries_per_kv,
+        head_dim=32,
     )
     scale = 1 / math.sqrt(32)
     out = paged_attention_ref(*batch.args, scale)
@@ -83,7 +88,12 @@ def test_reference_matches_dense_attention(paged_batch, name, block_size, querie
 def test_triton_matches_reference_f32(paged_batch, name, block_size, queries_per_kv) -> None:
     q_lens, seq_lens = BATCHES[name]
     batch = paged_batch(
-        q_lens, seq_lens, block_size=block_size, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=16
+        q_lens,
+        seq_lens,
+        block_size=block_size,
+        num_kv_heads=2,
+        queries_per_kv=queries_per_kv,
+        head_dim=16,
     )
     scale = 0.25
     out = paged_attention_triton(*batch.args, scale)
@@ -118,8 +128,13 @@ def test_triton_bf16(paged_batch, block_size, queries_per_kv) -> None:
     # relative), as the interpreter truncates float32 -> bf16 where a GPU rounds to nearest.
     q_lens, seq_lens = BATCHES["mixed"]
     batch = paged_batch(
-        q_lens, seq_lens, block_size=block_size, num_kv_heads=2, queries_per_kv=queries_per_kv,
-        head_dim=16, dtype=torch.bfloat16,
+        q_lens,
+        seq_lens,
+        block_size=block_size,
+        num_kv_heads=2,
+        queries_per_kv=queries_per_kv,
+        head_dim=16,
+        dtype=torch.bfloat16,
     )
     out = paged_attention_triton(*batch.args, 0.25)
     assert out.dtype == torch.bfloat16
@@ -133,21 +148,33 @@ def test_triton_bf16(paged_batch, block_size, queries_per_kv) -> None:
 def test_triton_many_sequences_and_larger_head_dim(paged_batch) -> None:
     # 40 decode sequences exercise the tile -> sequence binary search; head_dim 64.
     seq_lens = [(7 * s) % 19 + 1 for s in range(40)]
-    batch = paged_batch([1] * 40, seq_lens, block_size=8, num_kv_heads=1, queries_per_kv=2, head_dim=64)
+    batch = paged_batch(
+        [1] * 40, seq_lens, block_size=8, num_kv_heads=1, queries_per_kv=2, head_dim=64
+    )
     torch.testing.assert_close(
-        paged_attention_triton(*batch.args, 0.125), paged_attention_ref(*batch.args, 0.125), **F32_TOL
+        paged_attention_triton(*batch.args, 0.125),
+        paged_attention_ref(*batch.args, 0.125),
+        **F32_TOL,
     )
 
 
 def test_triton_strided_query_and_int64_metadata(paged_batch) -> None:
     # query as a slice of a fused qkv projection; metadata as int64.
-    batch = paged_batch([1, 6], [12, 20], block_size=16, num_kv_heads=2, queries_per_kv=2, head_dim=16)
+    batch = paged_batch(
+        [1, 6], [12, 20], block_size=16, num_kv_heads=2, queries_per_kv=2, head_dim=16
+    )
     qkv = torch.randn(batch.query.shape[0], 8, 16)
     qkv[:, :4] = batch.query
     query = qkv[:, :4]
     assert not query.is_contiguous()
-    args = (query, batch.k_cache, batch.v_cache, batch.block_tables.long(), batch.seq_lens.long(),
-            batch.query_start_loc.long())
+    args = (
+        query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables.long(),
+        batch.seq_lens.long(),
+        batch.query_start_loc.long(),
+    )
     expected = paged_attention_ref(*batch.args, 0.3)
     torch.testing.assert_close(paged_attention_triton(*args, 0.3), expected, **F32_TOL)
     torch.testing.assert_close(paged_attention_ref(*args, 0.3), expected, atol=0, rtol=0)
@@ -155,8 +182,14 @@ def test_triton_strided_query_and_int64_metadata(paged_batch) -> None:
 
 def test_empty_batch(paged_batch) -> None:
     batch = paged_batch([1], [3], block_size=8, num_kv_heads=1, queries_per_kv=1, head_dim=16)
-    args = (batch.query[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0],
-            batch.seq_lens[:0], batch.query_start_loc[:1])
+    args = (
+        batch.query[:0],
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables[:0],
+        batch.seq_lens[:0],
+        batch.query_start_loc[:1],
+    )
     assert paged_attention_ref(*args, 1.0).shape == (0, 1, 16)
     assert paged_attention_triton(*args, 1.0).shape == (0, 1, 16)
 
@@ -179,19 +212,25 @@ def test_reference_prefill_is_bitwise_transformers_sdpa(paged_batch) -> None:
 def test_reference_lone_decode_is_bitwise_transformers_sdpa(paged_batch) -> None:
     # One decode sequence (here beside a prefill) gets transformers' decode call:
     # SDPA(q [1, H, 1, D], k [1, KH, len, D]) without mask. The prefill is bitwise too.
-    batch = paged_batch([1, 12], [45, 12], block_size=8, num_kv_heads=2, queries_per_kv=2, head_dim=32)
+    batch = paged_batch(
+        [1, 12], [45, 12], block_size=8, num_kv_heads=2, queries_per_kv=2, head_dim=32
+    )
     out = paged_attention_ref(*batch.args, 32**-0.5)
     for s, (start, end) in enumerate([(0, 1), (1, 13)]):
         q = batch.query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         k = batch.dense_k[s].transpose(0, 1).unsqueeze(0).contiguous()  # [1, KH, len, D]
         v = batch.dense_v[s].transpose(0, 1).unsqueeze(0).contiguous()
-        hf = F.scaled_dot_product_attention(q, k, v, is_causal=end - start > 1, scale=32**-0.5, enable_gqa=True)
+        hf = F.scaled_dot_product_attention(
+            q, k, v, is_causal=end - start > 1, scale=32**-0.5, enable_gqa=True
+        )
         assert torch.equal(out[start:end], hf[0].transpose(0, 1))
 
 
 def test_reference_decode_batch_close_to_unpadded_calls(paged_batch) -> None:
     # Several decode sequences share one padded, masked call: rounding-level differences only.
-    batch = paged_batch([1, 1, 1], [45, 3, 17], block_size=8, num_kv_heads=2, queries_per_kv=2, head_dim=32)
+    batch = paged_batch(
+        [1, 1, 1], [45, 3, 17], block_size=8, num_kv_heads=2, queries_per_kv=2, head_dim=32
+    )
     out = paged_attention_ref(*batch.args, 32**-0.5)
     for s in range(3):
         q = batch.query[s : s + 1].unsqueeze(2)

@@ -26,6 +26,7 @@ def make_random_checkpoint(
     architecture: str = "llama",
     seed: int = 0,
     initializer_range: float = 0.02,
+    max_shard_size: str | None = None,
     **overrides: Any,
 ) -> Path:
     """Create (or reuse, if its config matches) a random checkpoint at ``path``."""
@@ -47,5 +48,8 @@ def make_random_checkpoint(
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path))
+    if max_shard_size is None:
+        model.save_pretrained(str(path))
+    else:  # several *.safetensors files plus model.safetensors.index.json
+        model.save_pretrained(str(path), max_shard_size=max_shard_size)
     return path

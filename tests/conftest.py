@@ -26,7 +26,7 @@ def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     made: dict[tuple, Path] = {}
 
     def get(arch: str = "llama", **overrides: object) -> Path:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in made:
             path = tmp_path_factory.mktemp(f"ckpt-{arch}")
             made[key] = make_random_checkpoint(
@@ -55,7 +55,9 @@ def hf_greedy() -> Callable[[Path, list[list[int]], int], list[list[int]]]:
 
     def run(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         if path not in models:
-            models[path] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+            model.generation_config.eos_token_id = None  # else generate merges it back in
+            models[path] = model
         model = models[path]
         gen = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0

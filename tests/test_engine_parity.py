@@ -79,3 +79,33 @@ def test_preemption_matches(ckpt_dir: Callable[..., Path], hf_greedy: Callable) 
     assert engine.stats.num_preemptions > 0
     engine.check_integrity()
     assert engine.num_free_blocks == 24
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE, max_shard_size="100KB"),
+        dict(num_key_value_heads=1, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+    ],
+    ids=["tied-llama3rope-sharded", "mqa-theta1000"],
+)
+def test_config_variants_match(overrides: dict, ckpt_dir: Callable[..., Path], hf_greedy: Callable) -> None:
+    path = ckpt_dir("llama", **overrides)
+    if "max_shard_size" in overrides:
+        assert (path / "model.safetensors.index.json").is_file()
+        assert len(list(path.glob("*.safetensors"))) > 1
+    prompts = mixed_prompts(16, 512, seed=21)
+    engine = make_engine(path)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, NEW_TOKENS)
+    engine.check_integrity()

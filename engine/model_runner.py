@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_tuning import tune_glibc_malloc
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import ModelSpec, load_hf_config, load_weights, model_spec_from_config
 from engine.request import Request
@@ -42,6 +43,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            tune_glibc_malloc()
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]

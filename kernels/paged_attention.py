@@ -74,10 +74,40 @@ def _check_paged_attention_args(
 # ----------------------------------------------------------------------------------------
 
 
-def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, ctx_len: int) -> torch.Tensor:
+class _Workspace:
+    """Grow-only scratch tensors reused across calls, one per (name, dtype, device).
+
+    Gathering pages allocates tens of MB per layer; fresh allocations of that size are
+    page-faulted in every time, which costs more than the copy itself. The gathered
+    pages are dead once the call returns, so their storage is reused. One engine loop
+    calls the reference at a time (the engine is single-threaded by design).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buf
+        return buf[:numel]
+
+
+_WORKSPACE = _Workspace()
+
+
+def _gather_pages(
+    cache: torch.Tensor, pages: torch.Tensor, ctx_len: int, name: str
+) -> torch.Tensor:
     """cache [num_blocks, block_size, kv_heads, D], pages [..., n] -> [..., kv_heads, ctx, D]."""
     block_size, num_kv_heads, head_dim = cache.shape[1:]
-    gathered = cache[pages.long()]  # [..., n, block_size, kv_heads, D]
+    flat_pages = pages.reshape(-1).long()
+    numel = flat_pages.numel() * block_size * num_kv_heads * head_dim
+    out = _WORKSPACE.get(name, numel, cache.dtype, cache.device)
+    gathered = out.view(flat_pages.numel(), block_size, num_kv_heads, head_dim)
+    torch.index_select(cache, 0, flat_pages, out=gathered)
     flat = gathered.view(*pages.shape[:-1], pages.shape[-1] * block_size, num_kv_heads, head_dim)
     return flat[..., :ctx_len, :, :].transpose(-3, -2)
 
@@ -144,8 +174,8 @@ def _prefill_one_ref(
     scale: float,
 ) -> None:
     num_pages = -(-seq_len // k_cache.shape[1])
-    k = _gather_pages(k_cache, pages[:num_pages], seq_len).unsqueeze(0)  # [1, kv_heads, seq_len, D]
-    v = _gather_pages(v_cache, pages[:num_pages], seq_len).unsqueeze(0)
+    k = _gather_pages(k_cache, pages[:num_pages], seq_len, "k").unsqueeze(0)  # [1, kv_heads, seq_len, D]
+    v = _gather_pages(v_cache, pages[:num_pages], seq_len, "v").unsqueeze(0)
     q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
     enable_gqa = q.shape[1] != k.shape[1]
     if seq_len == q_len:  # no cached prefix: plain causal, as transformers calls it
@@ -180,8 +210,8 @@ def _decode_batch_ref(
     seq_idx = torch.tensor(decode_seqs, device=device)
     tok_idx = torch.tensor([starts[s] for s in decode_seqs], device=device)
     pages = block_tables[seq_idx, :num_pages]  # [n, num_pages]
-    k = _gather_pages(k_cache, pages, ctx_len)  # [n, kv_heads, ctx_len, D]
-    v = _gather_pages(v_cache, pages, ctx_len)
+    k = _gather_pages(k_cache, pages, ctx_len, "k")  # [n, kv_heads, ctx_len, D]
+    v = _gather_pages(v_cache, pages, ctx_len, "v")
     q = query[tok_idx].unsqueeze(2)  # [n, heads, 1, D]
     mask = None
     if min(dec_lens) != ctx_len:

@@ -41,6 +41,7 @@ class BenchConfig:
     max_num_batched_tokens: int
     hf_page_size: int
     hf_batch_attn: str
+    num_threads: int
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_hf_sequential_requests <= self.workload.num_requests:
@@ -50,6 +51,8 @@ class BenchConfig:
             )
         if self.block_size < 1 or self.hf_page_size < 1:
             raise ValueError("--block-size and --hf-page-size must be >= 1")
+        if self.num_threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.num_threads}")
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
@@ -73,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         help="generate_batch's page size (its default)")
     parser.add_argument("--hf-batch-attn", default="sdpa",
                         help="attention implementation for generate_batch ('sdpa' or 'paged|eager')")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch intra-op threads, the same for every system "
+                             "(default: os.cpu_count())")
     args = parser.parse_args(argv)
     try:
         workload = Workload(
@@ -85,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             out_path=args.out, model_dir=args.model_dir, skip_hf_batch=args.skip_hf_batch,
             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
             hf_page_size=args.hf_page_size, hf_batch_attn=args.hf_batch_attn,
+            num_threads=args.threads,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -103,8 +110,7 @@ def run(config: BenchConfig) -> dict:
     from bench import report, systems, workload as workload_mod
 
     hf_logging.disable_progress_bar()
-    num_threads = os.cpu_count() or 1
-    torch.set_num_threads(num_threads)
+    torch.set_num_threads(config.num_threads)
     wl = config.workload
     model_dir = workload_mod.ensure_model(config.model_dir, wl.model, wl.seed)
     prompts = workload_mod.make_prompts(wl)
@@ -112,15 +118,25 @@ def run(config: BenchConfig) -> dict:
                                                    config.max_num_batched_tokens)
     sampled = prompts[: config.num_hf_sequential_requests]
 
-    runs = []
-    _progress(f"ours: {len(prompts)} requests")
-    runs.append(systems.run_ours(model_dir, prompts, wl, settings))
-    _progress(f"transformers generate, one at a time: {len(sampled)} requests")
-    runs.append(systems.run_hf_sequential(model_dir, sampled, wl))
+    cb_kwargs = systems.hf_batch_cache_kwargs(wl, settings, config.hf_page_size)
+    plan = [
+        ("ours", len(prompts), lambda: systems.run_ours(model_dir, prompts, wl, settings)),
+        ("transformers generate, one at a time", len(sampled),
+         lambda: systems.run_hf_sequential(model_dir, sampled, wl)),
+    ]
     if not config.skip_hf_batch:
-        _progress(f"transformers generate_batch: {len(prompts)} requests")
-        cb_kwargs = systems.hf_batch_cache_kwargs(wl, settings, config.hf_page_size)
-        runs.append(systems.run_hf_batch(model_dir, prompts, wl, cb_kwargs, config.hf_batch_attn))
+        plan.append(("transformers generate_batch", len(prompts),
+                     lambda: systems.run_hf_batch(model_dir, prompts, wl, cb_kwargs,
+                                                  config.hf_batch_attn)))
+    runs = []
+    for name, num_requests, run_system in plan:
+        _progress(f"{name}: {num_requests} requests")
+        load_before = os.getloadavg()[0]
+        system_run = run_system()
+        # The CPUs may be shared: the load around each system says how far to trust it.
+        system_run.details["load_average_1m"] = {"before": load_before,
+                                                 "after": os.getloadavg()[0]}
+        runs.append(system_run)
 
     by_name = {r.system: r for r in runs}
     rows = report.result_rows(runs)
@@ -141,7 +157,7 @@ def run(config: BenchConfig) -> dict:
         "command": [sys.executable, "-m", "bench.throughput", *sys.argv[1:]],
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git_commit": report.git_commit(REPO_DIR),
-        "machine": report.machine_description(num_threads),
+        "machine": report.machine_description(config.num_threads),
         "workload": {**wl.to_dict(), "max_model_len": wl.max_model_len,
                      "prompt_lens": [len(p) for p in prompts],
                      "num_parameters": workload_mod.count_parameters(model_dir),

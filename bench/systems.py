@@ -70,8 +70,13 @@ class EngineSettings:
         )
 
 
-def _warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
-    return [prompt[:WARMUP_PROMPT_LEN] for prompt in prompts[:2]]
+def _warmup_prompts(workload: Workload) -> list[list[int]]:
+    """Two short prompts drawn apart from the measured ones (so a prefix cache gains nothing)."""
+    generator = torch.Generator().manual_seed(workload.seed + 1)
+    return [
+        torch.randint(0, workload.model.vocab_size, (WARMUP_PROMPT_LEN,), generator=generator).tolist()
+        for _ in range(2)
+    ]
 
 
 def _describe_error(exc: BaseException) -> str:
@@ -91,22 +96,37 @@ def _check_lengths(run: SystemRun, output_len: int) -> None:
         )
 
 
+def _engine_stats(engine) -> dict[str, int]:
+    """The engine's step/token counters, if it keeps any (they are reported, not required)."""
+    stats = getattr(engine, "stats", None)
+    return {k: v for k, v in vars(stats).items() if isinstance(v, int)} if stats is not None else {}
+
+
 def run_ours(model_dir: Path, prompts: list[list[int]], workload: Workload,
              settings: EngineSettings) -> SystemRun:
-    """splitserve's ``Engine.generate`` over all prompts at once. Failures are recorded, not raised."""
-    run = SystemRun(system="ours", num_requests=len(prompts), details={"engine": vars(settings)})
+    """splitserve's ``Engine.generate`` over all prompts at once. Failures are recorded, not raised.
+
+    The engine gets the thread count already set on torch, so every system runs with the same.
+    """
+    engine_kwargs = {**vars(settings), "num_threads": torch.get_num_threads()}
+    run = SystemRun(system="ours", num_requests=len(prompts), details={"engine": engine_kwargs})
     try:
         from engine import Engine, EngineConfig, SamplingParams
 
-        engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", **vars(settings)))
+        engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", **engine_kwargs))
+        run.details["engine_config"] = repr(engine.config)
         warmup = SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True)
-        engine.generate(_warmup_prompts(prompts), warmup)
+        engine.generate(_warmup_prompts(workload), warmup)
+        stats_before = _engine_stats(engine)
         params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
         start = time.perf_counter()
         outputs = engine.generate(prompts, params)
         run.seconds = time.perf_counter() - start
         run.output_ids = [list(output.token_ids) for output in outputs]
         run.num_output_tokens = sum(len(ids) for ids in run.output_ids)
+        run.details["engine_stats"] = {
+            key: value - stats_before.get(key, 0) for key, value in _engine_stats(engine).items()
+        }
         _check_lengths(run, workload.output_len)
     except Exception as exc:  # a benchmark reports the failure and goes on with the others
         run.error = _describe_error(exc)
@@ -144,7 +164,7 @@ def run_hf_sequential(model_dir: Path, prompts: list[list[int]], workload: Workl
     try:
         model = _load_hf_model(model_dir, "sdpa")
         with torch.inference_mode():
-            _hf_generate_one(model, _warmup_prompts(prompts)[0], WARMUP_OUTPUT_LEN)
+            _hf_generate_one(model, _warmup_prompts(workload)[0], WARMUP_OUTPUT_LEN)
             per_request_seconds = []
             for prompt in prompts:
                 start = time.perf_counter()
@@ -205,7 +225,7 @@ def run_hf_batch(model_dir: Path, prompts: list[list[int]], workload: Workload,
                              "continuous_batching_config": dict(cb_config_kwargs)})
     try:
         model = _load_hf_model(model_dir, attn_implementation)
-        _hf_batch_generate(model, _warmup_prompts(prompts), WARMUP_OUTPUT_LEN, cb_config_kwargs)
+        _hf_batch_generate(model, _warmup_prompts(workload), WARMUP_OUTPUT_LEN, cb_config_kwargs)
         start = time.perf_counter()
         run.output_ids = _hf_batch_generate(model, prompts, workload.output_len, cb_config_kwargs)
         run.seconds = time.perf_counter() - start

@@ -1,1 +1,22 @@
-"""Triton kernels for paged KV, each beside a pure-torch reference (see kernels/ops.py)."""
+"""Triton kernels for paged KV, each beside the pure-torch reference that is the CPU path.
+
+Call them through :mod:`kernels.ops`, which runs the Triton kernel for CUDA tensors (when
+Triton is installed) and the reference otherwise:
+
+* ``write_kv(key, value, k_cache, v_cache, slot_mapping)``: store new tokens' K/V in their
+  slots (``block_id * block_size + offset``; ``-1`` skips a token). kernels/kv_write.py
+* ``paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)``:
+  causal attention for a ragged batch of decode, prefill and chunked-prefill sequences
+  over paged KV, with GQA. kernels/paged_attention.py
+* ``pack_kv(kv_cache, block_ids)`` / ``unpack_kv(kv_cache, buffer, block_ids)``: gather a
+  sequence's pages of every layer into one contiguous buffer for a KV transfer, and
+  scatter it into other block ids. kernels/kv_pack.py
+
+Cache layout, shared by the engine: ``kv_cache`` is
+``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``, contiguous; a
+layer's ``kv_cache[layer, 0]`` / ``kv_cache[layer, 1]`` are the ``k_cache`` / ``v_cache``.
+
+Tests (tests/kernels) check each kernel against its reference on CPU under
+``TRITON_INTERPRET=1``, check the references against plain dense math, and compile every
+kernel for sm_90 ahead of time. Importing this package imports neither torch nor Triton.
+"""

@@ -1,0 +1,65 @@
+"""Engine configuration: a frozen, validated dataclass built once at the entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine runs and how much memory it may use.
+
+    The KV pool is sized by ``num_kv_blocks`` when given, else by ``kv_cache_bytes``
+    (default 512 MiB). ``max_model_len`` defaults to the checkpoint's
+    ``max_position_embeddings``.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must name a local checkpoint directory")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    def kv_block_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * itemsize
+
+    def resolve_num_kv_blocks(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        budget = self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+        num_blocks = budget // self.kv_block_bytes(num_layers, num_kv_heads, head_dim)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={budget} is smaller than one KV block")
+        return int(num_blocks)

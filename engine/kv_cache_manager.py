@@ -1,0 +1,128 @@
+"""Per-request block tables over a ``BlockPool``, with prefix-cache lookups.
+
+Layout of one request's blocks (``block_size`` = 4 in this picture)::
+
+    all_token_ids:  t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 __ __
+    blocks:         [ block 7 ] | [ block 2 ] | [ block 9 ]
+                    cached/hash   cached/hash   partial (no hash yet)
+    num_computed_tokens = 10 ───────────────────────────┘
+
+``allocate_slots(request, n)`` grows the table so that ``num_computed_tokens + n`` tokens
+fit. Blocks are published to the prefix cache only after the step that computed them
+(``cache_computed_blocks``), so a prefix hit never points at K/V that is not written yet.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from engine.block_manager import BlockPool, KVBlock, hash_block_tokens
+from engine.request import Request
+
+
+class KVCacheManager:
+    """Owns the mapping request -> blocks. Not thread-safe: one engine loop drives it."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._num_published: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _extend_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of full blocks (no mutation). Leaves >= 1 token to compute,
+        since the last prompt token must run through the model to produce logits."""
+        if not self.pool.enable_prefix_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in self._extend_hashes(request, max_hit_blocks)[:max_hit_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; False (and no change) if the pool
+        cannot. ``new_computed_blocks`` are prefix hits taken on first admission."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_needed = self.blocks_needed(total_tokens) - len(blocks) - len(new_computed_blocks)
+        # Hits that sit unreferenced in the free queue stop being allocatable once touched.
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_revived:
+            return False
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks = blocks + list(new_computed_blocks)
+            self._num_published[request.request_id] = len(blocks)
+        if num_needed > 0:
+            blocks = blocks + self.pool.allocate(num_needed)
+        self.req_to_blocks[request.request_id] = blocks
+        self._num_published.setdefault(request.request_id, 0)
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's full blocks whose K/V are computed (after a step)."""
+        if not self.pool.enable_prefix_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_published.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._extend_hashes(request, num_full)
+        for i in range(start, num_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_published[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request, last block first (evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_published.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(list(reversed(blocks)))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def check_integrity(self) -> None:
+        """Every block's ref_cnt equals the number of tables holding it; the rest are free."""
+        holders: Counter[int] = Counter()
+        for blocks in self.req_to_blocks.values():
+            holders.update(block.block_id for block in blocks)
+        self.pool.check_integrity(dict(holders))

@@ -1,0 +1,1 @@
+"""Model definitions: our own forward passes over the paged KV cache."""

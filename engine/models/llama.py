@@ -1,0 +1,173 @@
+"""Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+One call runs a whole ragged batch: decodes (1 token each), prefills and prefill chunks
+(many tokens each) flattened into ``num_tokens`` rows. Per layer, the new K/V rows are
+written into their slots first, then attention reads every sequence's context through
+its block table, so a chunk attends to pages computed in earlier steps.
+
+The arithmetic mirrors ``transformers`` (float32 RMSNorm, cos/sin built in float32 then
+cast, the same rotate-half RoPE), so greedy outputs match ``generate`` token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.loader import ModelSpec, rope_inv_freq
+from kernels import ops
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened inputs of one step. T = tokens, S = sequences, N = rows needing logits."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32, 0-padded
+    seq_lens: torch.Tensor  # [S] int32, context length incl. this step's tokens
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    logits_indices: torch.Tensor  # [N] int64, rows of T whose logits are wanted
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv_weight: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    q_norm: torch.Tensor | None  # [head_dim]
+    k_norm: torch.Tensor | None  # [head_dim]
+    o_weight: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
+    down_weight: torch.Tensor  # [hidden, intermediate]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as ``transformers`` does."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Weights plus the forward. Stateless across calls; the KV cache is passed in."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        hf_config: Any,
+        weights: dict[str, torch.Tensor],
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        self.scale = spec.head_dim**-0.5
+        self._load(weights)
+        inv_freq, attn_scaling = rope_inv_freq(hf_config)
+        self._build_rope_cache(inv_freq, attn_scaling, max_model_len)
+
+    # -- weights -----------------------------------------------------------------------
+    def _take(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ValueError(f"model: checkpoint has no tensor {name!r}")
+        return weights.pop(name).to(self.device).contiguous()
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        spec = self.spec
+        self.embed = self._take(weights, "model.embed_tokens.weight")
+        self.dtype = self.embed.dtype
+        self.layers = [self._load_layer(weights, i) for i in range(spec.num_layers)]
+        self.final_norm = self._take(weights, "model.norm.weight")
+        if spec.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self._take(weights, "lm_head.weight")
+
+    def _load_layer(self, w: dict[str, torch.Tensor], i: int) -> _Layer:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([self._take(w, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        bias = None
+        if self.spec.qkv_bias:
+            bias = torch.cat([self._take(w, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        qk_norm = self.spec.qk_norm
+        return _Layer(
+            input_norm=self._take(w, p + "input_layernorm.weight"),
+            qkv_weight=qkv,
+            qkv_bias=bias,
+            q_norm=self._take(w, p + "self_attn.q_norm.weight") if qk_norm else None,
+            k_norm=self._take(w, p + "self_attn.k_norm.weight") if qk_norm else None,
+            o_weight=self._take(w, p + "self_attn.o_proj.weight"),
+            post_norm=self._take(w, p + "post_attention_layernorm.weight"),
+            gate_up_weight=torch.cat(
+                [self._take(w, p + "mlp.gate_proj.weight"), self._take(w, p + "mlp.up_proj.weight")]
+            ),
+            down_weight=self._take(w, p + "mlp.down_proj.weight"),
+        )
+
+    def _build_rope_cache(self, inv_freq: torch.Tensor, scaling: float, max_len: int) -> None:
+        positions = torch.arange(max_len, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(self.dtype).to(self.device)  # [max_len, head_dim]
+        self.sin = (emb.sin() * scaling).to(self.dtype).to(self.device)
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` (float32) for ``batch.logits_indices``.
+
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        """
+        spec = self.spec
+        x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin[batch.positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, cos, sin, batch, kv_cache)
+        x = x[batch.logits_indices]
+        x = rms_norm(x, self.final_norm, spec.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _layer(
+        self,
+        i: int,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        spec = self.spec
+        num_tokens = x.shape[0]
+        h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+        qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = q.view(num_tokens, spec.num_heads, spec.head_dim)
+        k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        attn = ops.paged_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, self.scale
+        )
+        x = x + F.linear(attn.reshape(num_tokens, spec.q_size), layer.o_weight)
+        h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+        gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down_weight)

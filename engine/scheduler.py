@@ -1,0 +1,187 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill and preemption.
+
+Each ``schedule()`` builds one ragged batch under two budgets: ``max_num_batched_tokens``
+tokens and the KV pool. Running requests go first (in admission order): a decode asks for
+one token, an unfinished prefill for its next chunk. When the pool cannot grow a running
+request, the newest running request is preempted (its blocks are freed and it will be
+recomputed from its tokens; prefix caching usually makes that cheap). Waiting requests are
+admitted FCFS after that, with prefix-cache hits, until a budget runs out. A step that
+preempted admits nobody.
+
+The scheduler mutates request state and the KV cache manager; the model runner only reads
+the ``SchedulerOutput``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens run through the model this step, from num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True if this step reaches the end of the request's tokens (so it samples)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefix-cache hits of the requests admitted this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- queue operations -------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request as aborted and free its blocks at once. Unknown id: None."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # newest admitted goes first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            request.num_cached_tokens = num_hit_tokens
+            out.num_cached_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- after the forward -----------------------------------------------------------
+    def update_after_step(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish on stop conditions.
+
+        ``sampled`` maps request id -> the token sampled this step. Returns the requests
+        that finished in this step (their blocks are already free).
+        """
+        finished: list[Request] = []
+        for item in out.scheduled:
+            request = item.request
+            if request.status.finished:
+                continue  # aborted mid-step
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_computed_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        held = set(self.kv.req_to_blocks)
+        running_ids = {r.request_id for r in self.running}
+        if not held <= running_ids:
+            raise RuntimeError(f"blocks held by non-running requests: {sorted(held - running_ids)}")

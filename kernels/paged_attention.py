@@ -1,0 +1,383 @@
+"""Causal attention for a ragged batch over paged KV: decode, prefill and chunked prefill.
+
+Layout of one call (tokens grouped by sequence, in order)::
+
+    query             [num_tokens, num_heads, head_dim]
+    query_start_loc   [0, q_len_0, q_len_0 + q_len_1, ...]           (num_seqs + 1)
+    seq_lens          context length per sequence, new tokens included (num_seqs)
+    block_tables      page ids per sequence, padded with 0             (num_seqs, max_blocks)
+
+    sequence s:  |<------------- seq_lens[s] ------------->|
+                 |  cached prefix  |  new tokens (q_len)   |
+    query token j of s sits at position seq_lens[s] - q_len + j and sees keys 0..position.
+
+The K/V of the new tokens are in the cache before the call (see kv_write). GQA: query
+head h reads kv head ``h // (num_heads // num_kv_heads)``. Output rows past
+``query_start_loc[-1]`` are left unspecified by the Triton kernel.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton_compat import require_triton, tl, triton
+
+
+def _check_paged_attention_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if not query.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(
+            f"query/k_cache/v_cache dtypes differ: {query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    num_seqs = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"seq_lens must be [num_seqs] and query_start_loc [num_seqs + 1], "
+            f"got {tuple(seq_lens.shape)} and {tuple(query_start_loc.shape)}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
+            f"got {tuple(block_tables.shape)}"
+        )
+    for name, t in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+# ----------------------------------------------------------------------------------------
+# Torch reference: the engine's CPU path.
+# ----------------------------------------------------------------------------------------
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """cache [num_blocks, block_size, kv_heads, D], pages [..., n] -> [..., kv_heads, ctx, D]."""
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    gathered = cache[pages.long()]  # [..., n, block_size, kv_heads, D]
+    flat = gathered.view(*pages.shape[:-1], pages.shape[-1] * block_size, num_kv_heads, head_dim)
+    return flat[..., :ctx_len, :, :].transpose(-3, -2)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, new tokens included
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
+    """Torch reference and CPU path, built on ``F.scaled_dot_product_attention``.
+
+    Decode sequences (q_len == 1) go through one batched SDPA call, their keys padded to
+    the longest of them and masked; prefill sequences (q_len > 1) get one call each over
+    exactly their context, with ``is_causal`` when there is no cached prefix. So a
+    prefill sequence, and a lone decode sequence, get the very SDPA call transformers
+    makes for them and match it bit for bit. With several decode sequences the padding,
+    and the CPU SDPA kernel's work split (it depends on batch size and thread count),
+    change float rounding only (~1e-7 in float32).
+    """
+    _check_paged_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    block_size = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if starts[0] != 0 or starts[-1] != query.shape[0]:
+        raise ValueError(
+            f"query_start_loc must run from 0 to num_tokens={query.shape[0]}, got {starts}"
+        )
+    max_ctx = block_tables.shape[1] * block_size
+    out = torch.empty_like(query)
+    decode_seqs: list[int] = []
+    for s, seq_len in enumerate(lens):
+        q_len = starts[s + 1] - starts[s]
+        if not 0 <= q_len <= seq_len <= max_ctx:
+            raise ValueError(
+                f"sequence {s}: need 0 <= q_len ({q_len}) <= seq_len ({seq_len}) <= "
+                f"max_blocks * block_size ({max_ctx})"
+            )
+        if q_len == 1:
+            decode_seqs.append(s)
+        elif q_len > 1:
+            _prefill_one_ref(
+                out, query, k_cache, v_cache, block_tables[s], starts[s], q_len, seq_len, scale
+            )
+    if decode_seqs:
+        _decode_batch_ref(
+            out, query, k_cache, v_cache, block_tables, decode_seqs, starts, lens, scale
+        )
+    return out
+
+
+def _prefill_one_ref(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,  # [max_blocks_per_seq]
+    start: int,
+    q_len: int,
+    seq_len: int,
+    scale: float,
+) -> None:
+    num_pages = -(-seq_len // k_cache.shape[1])
+    k = _gather_pages(k_cache, pages[:num_pages], seq_len).unsqueeze(0)  # [1, kv_heads, seq_len, D]
+    v = _gather_pages(v_cache, pages[:num_pages], seq_len).unsqueeze(0)
+    q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
+    enable_gqa = q.shape[1] != k.shape[1]
+    if seq_len == q_len:  # no cached prefix: plain causal, as transformers calls it
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
+    else:  # query j sits at position seq_len - q_len + j
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        key_pos = torch.arange(seq_len, device=query.device)
+        mask = key_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        )
+    out[start : start + q_len] = o[0].transpose(0, 1)
+
+
+def _decode_batch_ref(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    decode_seqs: list[int],
+    starts: list[int],
+    lens: list[int],
+    scale: float,
+) -> None:
+    device = query.device
+    dec_lens = [lens[s] for s in decode_seqs]
+    ctx_len = max(dec_lens)
+    num_pages = -(-ctx_len // k_cache.shape[1])
+    seq_idx = torch.tensor(decode_seqs, device=device)
+    tok_idx = torch.tensor([starts[s] for s in decode_seqs], device=device)
+    pages = block_tables[seq_idx, :num_pages]  # [n, num_pages]
+    k = _gather_pages(k_cache, pages, ctx_len)  # [n, kv_heads, ctx_len, D]
+    v = _gather_pages(v_cache, pages, ctx_len)
+    q = query[tok_idx].unsqueeze(2)  # [n, heads, 1, D]
+    mask = None
+    if min(dec_lens) != ctx_len:
+        lens_t = torch.tensor(dec_lens, device=device)[:, None, None, None]
+        mask = torch.arange(ctx_len, device=device) < lens_t  # [n, 1, 1, ctx_len]
+    enable_gqa = q.shape[1] != k.shape[1]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    out[tok_idx] = o.squeeze(2)
+
+
+# ----------------------------------------------------------------------------------------
+# Triton kernel: one program per (query tile, kv head).
+#
+# A query tile is BLOCK_Q consecutive tokens of one sequence times the GROUP_PAD query
+# heads sharing the kv head, so its BLOCK_M = BLOCK_Q * GROUP_PAD rows reuse each K/V
+# tile they load (a decode token fills GROUP_PAD rows on its own). Keys are visited
+# BLOCK_N positions at a time; each position's page comes from the block table, so
+# BLOCK_N need not equal the block size. Softmax is online, in float32.
+#
+# Tile numbering without a host sync: sequence s owns tiles starting at
+#   tile_start(s) = query_start_loc[s] // BLOCK_Q + s,
+# which is increasing in s and leaves each sequence at least cdiv(q_len, BLOCK_Q) tiles;
+# num_tokens // BLOCK_Q + num_seqs tiles cover every sequence, the spare ones exit.
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
+    # Largest s with tile_start(s) <= tile_id (binary search over the increasing starts).
+    lo = tl.zeros((), dtype=tl.int32)
+    hi = tl.zeros((), dtype=tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        mid_start = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        if mid_start <= tile_id:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale,
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_seq,
+    QUERIES_PER_KV: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq = _find_seq(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    tile_in_seq = tile_id - (q_start // BLOCK_Q + seq)
+    if tile_in_seq * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    prefix_len = seq_len - q_len
+
+    # Rows: (token in tile, head in group); padded tokens and heads are masked out.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_tok = tile_in_seq * BLOCK_Q + offs_m // GROUP_PAD  # token index within the sequence
+    head_in_group = offs_m % GROUP_PAD
+    q_head = kv_head * QUERIES_PER_KV + head_in_group
+    row_mask = (q_tok < q_len) & (head_in_group < QUERIES_PER_KV)
+    q_pos = prefix_len + q_tok  # [BLOCK_M] position in the sequence
+    q_rows = (q_start + q_tok).to(tl.int64) * stride_q_tok + q_head * stride_q_head
+    q = tl.load(query_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # running max (finite: no inf - inf)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Keys beyond the tile's last query position are never seen by it.
+    kv_end = tl.minimum(seq_len, prefix_len + (tile_in_seq + 1) * BLOCK_Q)
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        page = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_offs = (
+            page * stride_cache_block
+            + (offs_n % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )
+        k = tl.load(
+            k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
+        )
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    o_rows = (q_start + q_tok).to(tl.int64) * stride_o_tok + q_head * stride_o_head
+    tl.store(
+        out_ptr + o_rows[:, None] + offs_d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
+
+
+MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows on GPU
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, new tokens included
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
+    """Triton version of :func:`paged_attention_ref`; no host sync, no value checks."""
+    require_triton()
+    _check_paged_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if query.stride(2) != 1:
+        raise ValueError("query must have a unit stride along head_dim")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if block_tables.stride(1) != 1 or not (
+        seq_lens.is_contiguous() and query_start_loc.is_contiguous()
+    ):
+        raise ValueError("block_tables rows, seq_lens and query_start_loc must be contiguous")
+
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    queries_per_kv = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(queries_per_kv)
+    block_m = max(MIN_BLOCK_M, group_pad)
+    block_q = block_m // group_pad
+    block_n = triton.next_power_of_2(max(16, block_size))  # may span several pages
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        float(scale),
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+    )
+    return out

@@ -66,7 +66,7 @@ class Workload:
 def _model_config(shape: ModelShape):  # -> transformers.LlamaConfig
     from transformers import LlamaConfig
 
-    return LlamaConfig(**asdict(shape), torch_dtype="float32")
+    return LlamaConfig(**asdict(shape), dtype="float32")
 
 
 def _saved_shape_matches(model_dir: Path, shape: ModelShape) -> bool:

@@ -1,6 +1,6 @@
 """Rejection sampler tests: greedy rows reproduce greedy decoding exactly, sampled rows preserve the
 target distribution (chi-square, small model and n-gram drafts), seeded rows do not depend on the
-batch, the output layout holds for any batch (hypothesis)."""
+batch, the output layout holds for any batch (hypothesis), and the spec-decode counters."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from engine.sampler import random_sample
+from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.rejection_sampler import (
     PADDING_TOKEN_ID,
     RejectionOutput,
@@ -395,3 +396,27 @@ def test_rejects_bad_input() -> None:
         with pytest.raises(ValueError, match=message):
             rejection_sample(**{**good, name: value})  # type: ignore[arg-type]
 
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_stats_count_a_hand_made_example() -> None:
+    stats_ = SpecDecodeStats()
+    assert (stats_.mean_acceptance_length, stats_.acceptance_rate) == (1.0, 0.0)
+    stats_.observe(torch.tensor([3, 0, 2, 3]), torch.tensor([3, 0, 1, 0]))
+    assert (stats_.num_drafts, stats_.num_draft_tokens, stats_.num_accepted_tokens) == (3, 8, 4)
+    assert stats_.accepted_per_position == [2, 1, 1]
+    stats_.observe(torch.tensor([1, 4]), torch.tensor([1, 2]))
+    assert (stats_.num_drafts, stats_.num_draft_tokens, stats_.num_accepted_tokens) == (5, 13, 7)
+    assert stats_.accepted_per_position == [4, 2, 1]
+    assert stats_.mean_acceptance_length == pytest.approx(1 + 7 / 5)
+    assert stats_.acceptance_rate == pytest.approx(7 / 13)
+    stats_.observe(torch.tensor([0, 0]), torch.tensor([0, 0]))  # nobody speculated: no change
+    assert (stats_.num_drafts, stats_.accepted_per_position) == (5, [4, 2, 1])
+
+
+def test_stats_reject_inconsistent_counts() -> None:
+    with pytest.raises(ValueError, match="num_accepted must lie"):
+        SpecDecodeStats().observe(torch.tensor([2]), torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"\[num_rows\]"):
+        SpecDecodeStats().observe(torch.tensor([2, 1]), torch.tensor([1]))

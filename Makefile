@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(VENV)/bin/splitserve generate "def fibonacci(n):" --max-tokens 64
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 bench: $(STAMP)
 	$(PY) -m bench.throughput

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.spec_decode.config import SpeculativeConfig
+
 _DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
@@ -28,6 +30,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if not self.model:

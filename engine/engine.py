@@ -17,6 +17,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, SampledToken
+from engine.spec_decode.metrics import SpecDecodeStats
+from engine.spec_decode.proposers import Proposer, make_proposer
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import make_generator
@@ -72,6 +74,9 @@ class Engine:
         self.tokenizer = _load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.spec.eos_token_ids)
         self.stats = EngineStats()
+        self.proposer: Proposer | None = None
+        if config.speculative is not None:
+            self.proposer = make_proposer(config.speculative, self.runner)
         self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
@@ -133,21 +138,67 @@ class Engine:
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return outputs for requests that gained a token or finished."""
+        """Run one iteration; return outputs for requests that gained tokens or finished."""
         out = self.scheduler.schedule()
         self.stats.num_preemptions += len(out.preempted)
         if out.is_empty:
             return []
         self._count_tokens(out)
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in out.scheduled}
-        sampled = self.runner.execute(out, block_ids)
+        result = self.runner.execute(out, block_ids)
+        num_before = {s.request.request_id: s.request.num_output_tokens for s in out.scheduled}
         for item in out.scheduled:
-            token = sampled.get(item.request.request_id)
-            if token is not None:
+            for token in result.tokens.get(item.request.request_id, ()):
                 self._record_logprobs(item.request, token)
-        self.scheduler.update_after_step(out, {rid: t.token_id for rid, t in sampled.items()})
+        self.scheduler.update_after_step(
+            out,
+            {rid: [t.token_id for t in tokens] for rid, tokens in result.tokens.items()},
+            result.num_accepted,
+        )
         self.stats.num_steps += 1
-        return [self._make_output(s.request) for s in out.scheduled if s.request.request_id in sampled]
+        self._propose()
+        return [
+            self._make_output(s.request, num_before[s.request.request_id])
+            for s in out.scheduled
+            if s.request.request_id in result.tokens
+        ]
+
+    # -- speculative decoding --------------------------------------------------------
+    def _num_speculative_tokens(self, request: Request) -> int:
+        """Drafts worth proposing for a decoding request (0: do not speculate)."""
+        spec = self.config.speculative
+        params = request.sampling_params
+        if spec is None or params.repetition_penalty != 1.0 or params.logprobs is not None:
+            return 0  # history-dependent penalties and logprobs: one token per step
+        if request.num_output_tokens < params.min_tokens:
+            return 0
+        k = spec.num_speculative_tokens
+        if params.num_speculative_tokens is not None:
+            k = min(k, params.num_speculative_tokens)
+        remaining = params.max_tokens - request.num_output_tokens - 1
+        return max(0, min(k, remaining, self.max_model_len - request.num_tokens))
+
+    def _propose(self) -> None:
+        """Propose drafts for the next step (back off when the batch is large)."""
+        spec = self.config.speculative
+        if self.proposer is None or spec is None or len(self.scheduler.running) > spec.max_batch_size:
+            return
+        requests, ks = [], []
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue  # still prefilling
+            k = self._num_speculative_tokens(request)
+            # Reserve the lookahead slots the drafts and their verification will write.
+            if k > 0 and self.kv.allocate_slots(request, 1 + k):
+                requests.append(request)
+                ks.append(k)
+        if requests:
+            block_ids = {r.request_id: self.kv.block_ids(r.request_id) for r in requests}
+            self.proposer.propose(requests, ks, block_ids)
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        return self.runner.spec_stats
 
     def _count_tokens(self, out: SchedulerOutput) -> None:
         self.stats.num_cached_prompt_tokens += out.num_cached_tokens
@@ -165,10 +216,10 @@ class Engine:
         if token.top_logprobs is not None:
             request.output_top_logprobs.append(token.top_logprobs)
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        new_token = request.output_token_ids[-1:]
+    def _make_output(self, request: Request, num_before: int) -> RequestOutput:
+        new_token_ids = request.output_token_ids[num_before:]
         detok = self._detok.get(request.request_id)
-        new_text = detok.add(new_token) if detok is not None else ""
+        new_text = detok.add(new_token_ids) if detok is not None else ""
         finished = request.status.finished
         if finished:
             self._detok.pop(request.request_id, None)
@@ -177,7 +228,7 @@ class Engine:
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
-            new_token_ids=new_token,
+            new_token_ids=new_token_ids,
             text=detok.text if detok is not None else "",
             new_text=new_text,
             finished=finished,
@@ -188,6 +239,8 @@ class Engine:
             else None,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     def generate(

@@ -110,6 +110,17 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         self._num_published[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back blocks beyond those holding the first ``num_tokens`` tokens, tail first
+        (lookahead slots of rejected draft tokens). Published blocks are never trimmed."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = max(self.blocks_needed(num_tokens), self._num_published.get(request.request_id, 0))
+        if keep < len(blocks):
+            self.pool.free(list(reversed(blocks[keep:])))
+            del blocks[keep:]
+
     def free(self, request: Request) -> None:
         """Release every block of the request, last block first (evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

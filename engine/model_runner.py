@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,8 +11,10 @@ from engine.cpu_tuning import tune_glibc_malloc
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import ModelSpec, load_hf_config, load_weights, model_spec_from_config
 from engine.request import Request
-from engine.sampler import Sampler, SamplingMetadata
-from engine.scheduler import SchedulerOutput
+from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_probs
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode.metrics import SpecDecodeStats
+from engine.spec_decode.rejection_sampler import rejection_sample
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,6 +24,58 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class StepResult:
+    """What a step produced: request id -> new tokens (1, or accepted drafts + 1 with
+    speculation) and, for speculating requests, how many drafts were accepted."""
+
+    tokens: dict[str, list[SampledToken]] = field(default_factory=dict)
+    num_accepted: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SeqSlice:
+    """Consecutive tokens of one sequence to run, starting at ``start_position``."""
+
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+
+
+def make_forward_batch(
+    slices: list[SeqSlice], logits_rows: list[int], block_size: int, device: torch.device
+) -> ForwardBatch:
+    """Flatten sequence slices into one ragged ``ForwardBatch`` (slots from block tables)."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    seq_of_token: list[int] = []
+    seq_lens: list[int] = []
+    query_start = [0]
+    for s, piece in enumerate(slices):
+        n = len(piece.token_ids)
+        token_ids.extend(piece.token_ids)
+        positions.extend(range(piece.start_position, piece.start_position + n))
+        seq_of_token.extend([s] * n)
+        seq_lens.append(piece.start_position + n)
+        query_start.append(query_start[-1] + n)
+    max_blocks = max(len(p.block_ids) for p in slices)
+    block_tables = torch.tensor(
+        [p.block_ids + [0] * (max_blocks - len(p.block_ids)) for p in slices], dtype=torch.int32
+    )
+    pos = torch.tensor(positions, dtype=torch.int64)
+    seq_idx = torch.tensor(seq_of_token, dtype=torch.int64)
+    slots = block_tables[seq_idx, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    return ForwardBatch(
+        input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+        positions=pos.to(device),
+        slot_mapping=slots.to(device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+    )
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
@@ -68,68 +122,94 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler()
+        self.spec_stats = SpecDecodeStats()
 
     # -- inputs ------------------------------------------------------------------------
     def prepare_batch(
         self, out: SchedulerOutput, block_ids: dict[str, list[int]]
-    ) -> tuple[ForwardBatch, list[Request]]:
-        """Flatten the scheduled requests; also return those that sample, in logits order."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        seq_of_token: list[int] = []
-        seq_lens: list[int] = []
-        query_start = [0]
-        logits_indices: list[int] = []
-        sampling: list[Request] = []
-        for s, item in enumerate(out.scheduled):
+    ) -> tuple[ForwardBatch, list[Request], list[ScheduledRequest]]:
+        """Flatten the scheduled requests. Returns the batch, the requests that sample one
+        token and the scheduled items that verify drafts, each in logits-row order (plain
+        sampling rows first, then k + 1 rows per verifying request)."""
+        slices: list[SeqSlice] = []
+        plain: list[Request] = []
+        verifying: list[ScheduledRequest] = []
+        plain_rows: list[int] = []
+        verify_rows: list[int] = []
+        offset = 0
+        for item in out.scheduled:
             request, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_new_tokens
-            token_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            seq_of_token.extend([s] * item.num_new_tokens)
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            if item.samples:
-                logits_indices.append(query_start[-1] - 1)
-                sampling.append(request)
-        tables = [block_ids[item.request.request_id] for item in out.scheduled]
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor(
-            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
-        )
-        pos = torch.tensor(positions, dtype=torch.int64)
-        seq_idx = torch.tensor(seq_of_token, dtype=torch.int64)
-        bs = self.block_size
-        slots = block_tables[seq_idx, pos // bs].to(torch.int64) * bs + pos % bs
-        dev = self.device
-        batch = ForwardBatch(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
-            positions=pos.to(dev),
-            slot_mapping=slots.to(dev),
-            block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-        )
-        return batch, sampling
+            token_ids = request.all_token_ids[start : start + item.num_real_tokens] + item.spec_token_ids
+            slices.append(SeqSlice(token_ids, start, block_ids[request.request_id]))
+            offset += len(token_ids)
+            if item.spec_token_ids:
+                verifying.append(item)
+                verify_rows.extend(range(offset - len(item.spec_token_ids) - 1, offset))
+            elif item.samples:
+                plain.append(request)
+                plain_rows.append(offset - 1)
+        batch = make_forward_batch(slices, plain_rows + verify_rows, self.block_size, self.device)
+        return batch, plain, verifying
 
     # -- step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> dict[str, SampledToken]:
-        """Run one step; return the sampled token of every request that reached its end."""
-        batch, sampling = self.prepare_batch(out, block_ids)
+    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepResult:
+        """Run one step: sample one token for each request that reached its end, and
+        verify the drafts of speculating requests."""
+        batch, plain, verifying = self.prepare_batch(out, block_ids)
         logits = self.model.forward(batch, self.kv_cache)
-        if not sampling:
-            return {}
-        self._suppress_stop_tokens(logits, sampling)
-        metadata = SamplingMetadata.build(
-            [r.sampling_params for r in sampling],
-            [r.all_token_ids for r in sampling],
-            [r.generator for r in sampling],
-            self.device,
+        result = StepResult()
+        if plain:
+            plain_logits = logits[: len(plain)]
+            self._suppress_stop_tokens(plain_logits, plain)
+            metadata = SamplingMetadata.build(
+                [r.sampling_params for r in plain],
+                [r.all_token_ids for r in plain],
+                [r.generator for r in plain],
+                self.device,
+            )
+            self._collect(plain, self.sampler(plain_logits, metadata), result)
+        if verifying:
+            self._verify(verifying, logits[len(plain) :], result)
+        return result
+
+    def _verify(self, items: list[ScheduledRequest], logits: torch.Tensor, result: StepResult) -> None:
+        """Rejection-sample each request's drafts against the target's k + 1 rows."""
+        requests = [item.request for item in items]
+        ks = [len(item.spec_token_ids) for item in items]
+        rows_params = [r.sampling_params for r, k in zip(requests, ks) for _ in range(k + 1)]
+        rows_history = [r.all_token_ids for r, k in zip(requests, ks) for _ in range(k + 1)]
+        rows_gens = [r.generator for r, k in zip(requests, ks) for _ in range(k + 1)]
+        metadata = SamplingMetadata.build(rows_params, rows_history, rows_gens, self.device)
+        flat_probs = compute_probs(logits, metadata)  # [sum(k + 1), vocab]
+        max_k = max(ks)
+        vocab = flat_probs.shape[1]
+        target_probs = flat_probs.new_zeros(len(items), max_k + 1, vocab)
+        draft_ids = torch.zeros(len(items), max_k, dtype=torch.int64)
+        has_draft_probs = all(r.draft_probs is not None for r in requests)
+        draft_probs = flat_probs.new_zeros(len(items), max_k, vocab) if has_draft_probs else None
+        row = 0
+        for i, (item, k) in enumerate(zip(items, ks)):
+            target_probs[i, : k + 1] = flat_probs[row : row + k + 1]
+            draft_ids[i, :k] = torch.tensor(item.spec_token_ids)
+            if draft_probs is not None:
+                draft_probs[i, :k] = item.request.draft_probs[:k]
+            row += k + 1
+        num_drafts = torch.tensor(ks, dtype=torch.int64, device=self.device)
+        outcome = rejection_sample(
+            draft_ids.to(self.device),
+            num_drafts,
+            draft_probs,
+            target_probs,
+            torch.tensor([r.sampling_params.greedy for r in requests], device=self.device),
+            [r.generator for r in requests],
         )
-        result = self.sampler(logits, metadata)
-        return self._collect(sampling, result)
+        tokens = outcome.output_token_ids.tolist()
+        for i, request in enumerate(requests):
+            num_out = int(outcome.num_output[i])
+            result.tokens[request.request_id] = [SampledToken(t) for t in tokens[i][:num_out]]
+            result.num_accepted[request.request_id] = num_out - 1
+        self.spec_stats.observe(num_drafts, outcome.num_accepted)
 
     def _suppress_stop_tokens(self, logits: torch.Tensor, sampling: list[Request]) -> None:
         """Below ``min_tokens``, EOS and stop tokens cannot be sampled (as HF min_new_tokens)."""
@@ -142,14 +222,13 @@ class ModelRunner:
                 if banned:
                     logits[row, list(banned)] = float("-inf")
 
-    def _collect(self, sampling: list[Request], result: object) -> dict[str, SampledToken]:
-        token_ids = result.sampled_token_ids.tolist()  # type: ignore[attr-defined]
-        logprobs = result.logprobs.tolist() if result.logprobs is not None else None  # type: ignore[attr-defined]
+    def _collect(self, sampling: list[Request], sampled: SamplerOutput, result: StepResult) -> None:
+        token_ids = sampled.sampled_token_ids.tolist()
+        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         top_ids = top_lps = None
-        if result.top_logprob_token_ids is not None:  # type: ignore[attr-defined]
-            top_ids = result.top_logprob_token_ids.tolist()  # type: ignore[attr-defined]
-            top_lps = result.top_logprobs.tolist()  # type: ignore[attr-defined]
-        sampled: dict[str, SampledToken] = {}
+        if sampled.top_logprob_token_ids is not None and sampled.top_logprobs is not None:
+            top_ids = sampled.top_logprob_token_ids.tolist()
+            top_lps = sampled.top_logprobs.tolist()
         for row, request in enumerate(sampling):
             token = SampledToken(token_ids[row])
             n = request.sampling_params.logprobs
@@ -157,5 +236,4 @@ class ModelRunner:
                 token.logprob = logprobs[row]
                 if n > 0 and top_ids is not None and top_lps is not None:
                     token.top_logprobs = dict(zip(top_ids[row][:n], top_lps[row][:n]))
-            sampled[request.request_id] = token
-        return sampled
+            result.tokens[request.request_id] = [token]

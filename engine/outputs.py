@@ -27,3 +27,5 @@ class RequestOutput:
     top_logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # of which the target accepted

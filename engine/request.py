@@ -65,6 +65,14 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    # Speculative decoding: drafts proposed for the next step (and the distribution each
+    # was drawn from, [k, vocab], or None for deterministic n-gram drafts), and how many
+    # leading tokens have K/V in the draft model's cache.
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None
+    draft_num_computed: int = 0
+    num_draft_tokens: int = 0  # drafts verified over the request's life
+    num_accepted_tokens: int = 0  # of which accepted
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

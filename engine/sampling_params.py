@@ -34,6 +34,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: chosen token only; n: + top-n
+    # Speculative decoding: at most this many draft tokens per step (None: the server's k;
+    # 0: never speculate for this request). Capped by the server's k.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -56,6 +59,10 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens!r}"
+            )
         stop_ids = tuple(self.stop_token_ids)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(
             not isinstance(t, int) or t < 0 for t in stop_ids

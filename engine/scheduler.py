@@ -15,6 +15,7 @@ the ``SchedulerOutput``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -23,13 +24,26 @@ from engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
+    """One request's share of a step.
+
+    ``num_new_tokens`` counts every row run through the model from ``num_computed_tokens``:
+    the request's own tokens, then its ``spec_token_ids`` (drafts to verify), which are
+    not part of ``all_token_ids`` until accepted.
+    """
+
     request: Request
-    num_new_tokens: int  # tokens run through the model this step, from num_computed_tokens
+    num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return self.num_new_tokens - len(self.spec_token_ids)
 
     @property
     def samples(self) -> bool:
         """True if this step reaches the end of the request's tokens (so it samples)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        request = self.request
+        return request.num_computed_tokens + self.num_real_tokens == request.num_tokens
 
 
 @dataclass
@@ -107,6 +121,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._schedule_with_drafts(out, request, budget):
+                budget -= out.scheduled[-1].num_new_tokens
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()  # newest admitted goes first
@@ -118,6 +136,21 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _schedule_with_drafts(self, out: SchedulerOutput, request: Request, budget: int) -> bool:
+        """Schedule a decode plus its drafts if the budget and the pool allow; else drop the
+        drafts (the request then decodes one token) and return False."""
+        drafts = request.spec_token_ids
+        if not drafts:
+            return False
+        num_new = 1 + len(drafts)
+        is_decode = request.num_tokens - request.num_computed_tokens == 1
+        if is_decode and num_new <= budget and self.kv.allocate_slots(request, num_new):
+            out.scheduled.append(ScheduledRequest(request, num_new, list(drafts)))
+            return True
+        request.spec_token_ids = []
+        request.draft_probs = None
+        return False
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -139,34 +172,60 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.draft_num_computed = 0
+        request.spec_token_ids = []
+        request.draft_probs = None
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # -- after the forward -----------------------------------------------------------
     def update_after_step(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        num_accepted: dict[str, int] | None = None,
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish on stop conditions.
 
-        ``sampled`` maps request id -> the token sampled this step. Returns the requests
-        that finished in this step (their blocks are already free).
+        ``sampled`` maps request id -> the tokens this step produced (one, or with
+        speculation the accepted drafts plus a recovered/bonus token); ``num_accepted`` maps
+        a speculating request id -> its accepted draft count. Slots written for rejected
+        drafts are released at once. Returns the requests that finished in this step
+        (their blocks are already free).
         """
+        accepted_counts = num_accepted or {}
         finished: list[Request] = []
         for item in out.scheduled:
             request = item.request
             if request.status.finished:
                 continue  # aborted mid-step
-            request.num_computed_tokens += item.num_new_tokens
+            old_num_tokens = request.num_tokens
+            num_accepted_drafts = accepted_counts.get(request.request_id, 0)
+            request.num_computed_tokens += item.num_real_tokens + num_accepted_drafts
+            request.draft_num_computed = min(
+                request.draft_num_computed, old_num_tokens + num_accepted_drafts
+            )
+            if item.spec_token_ids:
+                request.num_draft_tokens += len(item.spec_token_ids)
+                request.num_accepted_tokens += num_accepted_drafts
+                request.spec_token_ids = []
+                request.draft_probs = None
             self.kv.cache_computed_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            status = self._stop_status(request, token)
+            status = self._append_tokens(request, sampled.get(request.request_id, ()))
             if status is not None:
                 self.finish(request, status)
                 finished.append(request)
+            elif item.spec_token_ids:
+                self.kv.trim(request, request.num_tokens)
         return finished
+
+    def _append_tokens(self, request: Request, token_ids: Sequence[int]) -> RequestStatus | None:
+        for token in token_ids:
+            request.append_output_token(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                return status
+        return None
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -13,6 +13,15 @@ import pytest
 # imported, so it must be set before any test module imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread per test process: the suite's models are tiny, so intra-op threads
+    buy nothing and, on a loaded machine, make every small op wait at OpenMP barriers.
+    ``make test`` runs one process per core instead (pytest-xdist)."""
+    import torch
+
+    torch.set_num_threads(1)
+
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # A larger init spreads the logits of a random model, so greedy argmax has clear winners
 # and float rounding (batched vs one-at-a-time matmuls) cannot flip a token.
@@ -29,8 +38,10 @@ def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         key = (arch, repr(sorted(overrides.items())))
         if key not in made:
             path = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            shapes = dict(overrides)
+            seed = int(shapes.pop("_seed", 1234))  # type: ignore[call-overload]
             made[key] = make_random_checkpoint(
-                path, arch, seed=1234, initializer_range=INIT_RANGE, **overrides
+                path, arch, seed=seed, initializer_range=INIT_RANGE, **shapes
             )
         return made[key]
 

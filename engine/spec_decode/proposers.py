@@ -1,0 +1,138 @@
+"""Draft proposers: where speculative tokens come from.
+
+A proposer fills ``request.spec_token_ids`` (and ``request.draft_probs``, the distribution
+each draft was drawn from, or None for deterministic drafts) for the requests the engine
+chose to speculate this step. The target verifies them in the next step's forward.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.model_runner import ModelRunner, SeqSlice, make_forward_batch
+from engine.models.llama import LlamaModel
+from engine.models.loader import load_hf_config, load_weights, model_spec_from_config
+from engine.request import Request
+from engine.sampler import SamplingMetadata, compute_probs, random_sample
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import propose_ngram
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        """Set up to ``ks[i]`` drafts on ``requests[i]`` (mutates the requests). The KV slots
+        for positions up to ``num_tokens + k`` are already allocated in ``block_ids``."""
+
+
+class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.ngram_min
+        self.max_n = config.ngram_max
+
+    def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        for request, k in zip(requests, ks):
+            request.spec_token_ids = propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)
+            request.draft_probs = None
+
+
+class DraftModelProposer(Proposer):
+    """A smaller checkpoint with the target's tokenizer, run by the same model code.
+
+    Its KV cache mirrors the target's block layout (same block ids, its own tensor), so it
+    needs no block manager of its own: a block id the target owns is the draft's too. Each
+    proposal first catches the draft up on the tokens it has not seen (the prompt on the
+    first call, then the tokens accepted or resampled in the last verify), then runs k - 1
+    single-token steps, all batched across requests.
+    """
+
+    def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
+        assert config.draft_model is not None
+        hf_config = load_hf_config(config.draft_model)
+        spec = model_spec_from_config(hf_config)
+        if spec.vocab_size != target.spec.vocab_size:
+            raise ValueError(
+                f"draft_model: vocab size {spec.vocab_size} differs from the target's "
+                f"{target.spec.vocab_size}; the draft must share the target's tokenizer"
+            )
+        if spec.max_position_embeddings < target.max_model_len:
+            raise ValueError(
+                f"draft_model: max_position_embeddings {spec.max_position_embeddings} is below "
+                f"max_model_len {target.max_model_len}"
+            )
+        weights = load_weights(config.draft_model, target.dtype)
+        self.device = target.device
+        self.block_size = target.block_size
+        self.model = LlamaModel(spec, hf_config, weights, target.max_model_len, target.device)
+        self.kv_cache = torch.zeros(
+            spec.num_layers, 2, target.num_kv_blocks, target.block_size, spec.num_kv_heads,
+            spec.head_dim, dtype=target.dtype, device=target.device,
+        )
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        metadata = SamplingMetadata.build(
+            [r.sampling_params for r in requests],
+            [r.all_token_ids for r in requests],
+            [r.generator for r in requests],
+            self.device,
+        )
+        # Catch up: every token the draft has not run yet, last row gives draft 1.
+        slices = [
+            SeqSlice(r.all_token_ids[r.draft_num_computed :], r.draft_num_computed, block_ids[r.request_id])
+            for r in requests
+        ]
+        rows, offset = [], 0
+        for piece in slices:
+            offset += len(piece.token_ids)
+            rows.append(offset - 1)
+        drafts, probs = self._draw(make_forward_batch(slices, rows, self.block_size, self.device), metadata, requests)
+        all_drafts, all_probs = [drafts], [probs]
+        for j in range(1, max(ks)):
+            active = [i for i, k in enumerate(ks) if k > j]
+            slices = [
+                SeqSlice([int(all_drafts[-1][i])], requests[i].num_tokens - 1 + j, block_ids[requests[i].request_id])
+                for i in active
+            ]
+            batch = make_forward_batch(slices, list(range(len(active))), self.block_size, self.device)
+            sub = _select_rows(metadata, active, requests)
+            step_drafts, step_probs = self._draw(batch, sub, [requests[i] for i in active])
+            full_drafts = all_drafts[-1].clone()
+            full_probs = all_probs[-1].clone()
+            full_drafts[active] = step_drafts
+            full_probs[active] = step_probs
+            all_drafts.append(full_drafts)
+            all_probs.append(full_probs)
+        draft_ids = torch.stack(all_drafts, dim=1)  # [num_requests, max_k]
+        draft_probs = torch.stack(all_probs, dim=1)  # [num_requests, max_k, vocab]
+        for i, (request, k) in enumerate(zip(requests, ks)):
+            request.spec_token_ids = draft_ids[i, :k].tolist()
+            request.draft_probs = draft_probs[i, :k]
+            request.draft_num_computed = request.num_tokens + k - 1
+
+    def _draw(
+        self, batch: object, metadata: SamplingMetadata, requests: list[Request]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.forward(batch, self.kv_cache)  # type: ignore[arg-type]
+        probs = compute_probs(logits, metadata)
+        generators = [None if r.sampling_params.greedy else r.generator for r in requests]
+        return random_sample(probs, generators), probs
+
+
+def _select_rows(metadata: SamplingMetadata, rows: list[int], requests: list[Request]) -> SamplingMetadata:
+    if len(rows) == len(requests):
+        return metadata
+    return SamplingMetadata.build(
+        [requests[i].sampling_params for i in rows],
+        [requests[i].all_token_ids for i in rows],
+        [requests[i].generator for i in rows],
+        metadata.temperature.device,
+    )
+
+
+def make_proposer(config: SpeculativeConfig, target: ModelRunner) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    return DraftModelProposer(config, target)

@@ -1,0 +1,39 @@
+"""N-gram prompt lookup: exact proposals on hand-made sequences."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import propose_ngram
+
+
+def test_longest_suffix_most_recent_match() -> None:
+    #          0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # suffix [2, 3] occurs at 1 and 5; the most recent (5) is followed by 7, 8, 5.
+    assert propose_ngram(tokens, 3, 1, 4) == [7, 8, 5]
+    # A longer suffix wins over a more recent shorter one.
+    tokens = [4, 5, 6, 1, 9, 6, 2, 4, 5, 6]
+    assert propose_ngram(tokens, 2, 1, 3) == [1, 9]
+
+
+def test_no_match_and_bounds() -> None:
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 4) == []
+    assert propose_ngram([5], 3, 1, 4) == []
+    assert propose_ngram([1, 2, 1], 5, 1, 4) == [2, 1]  # fewer than k tokens follow
+    assert propose_ngram([1, 2, 3, 1, 2], 2, 3, 4) == []  # min_n=3: [1, 2] is too short
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(method="medusa"), "method"),
+        (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+        (dict(method="draft_model"), "draft_model"),
+        (dict(ngram_min=3, ngram_max=2), "ngram_min"),
+    ],
+)
+def test_config_validation(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig(**kwargs)

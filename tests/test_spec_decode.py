@@ -1,0 +1,176 @@
+"""Speculative decoding through the engine: greedy identity, acceptance, KV hygiene, and
+the target distribution preserved when sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
+from tests.conftest import mixed_prompts
+from tests.test_engine_parity import make_engine
+
+NEW = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+def repetitive_prompts(num: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a short motif, so n-gram lookup finds matches."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(num):
+        motif = torch.randint(3, 500, (int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen).tolist()
+        prompts.append((motif * 40)[: 20 + 13 * i])
+    return prompts
+
+
+def spec_engine(path: Path, spec: SpeculativeConfig, **kw: object) -> Engine:
+    return make_engine(path, speculative=spec, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_ngram_greedy_identical(k: int, ckpt_dir: Callable[..., Path]) -> None:
+    path = ckpt_dir("llama")
+    prompts = repetitive_prompts(8, seed=k) + mixed_prompts(4, 512, seed=3, max_len=60)
+    base = make_engine(path).generate(prompts, GREEDY)
+    engine = spec_engine(path, SpeculativeConfig(method="ngram", num_speculative_tokens=k, max_batch_size=16))
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    engine.check_integrity()
+    assert engine.num_free_blocks == 512
+
+
+def test_draft_equal_to_target_accepts_everything(ckpt_dir: Callable[..., Path]) -> None:
+    path = ckpt_dir("qwen3")
+    prompts = mixed_prompts(6, 512, seed=9, max_len=100)
+    base = make_engine(path).generate(prompts, GREEDY)
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(path), num_speculative_tokens=3)
+    engine = spec_engine(path, spec)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens  # 100% acceptance
+    engine.check_integrity()
+
+
+def test_unrelated_draft_rejected_but_output_identical(ckpt_dir: Callable[..., Path]) -> None:
+    path = ckpt_dir("llama")
+    draft = ckpt_dir("llama", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                     num_key_value_heads=1, intermediate_size=64, _seed=99)
+    prompts = mixed_prompts(8, 512, seed=17, max_len=150)
+    base = make_engine(path).generate(prompts, GREEDY)
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(draft), num_speculative_tokens=4)
+    engine = spec_engine(path, spec)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 50
+    assert stats.acceptance_rate < 0.1
+    engine.check_integrity()
+    assert engine.num_free_blocks == 512
+
+
+def test_preemption_and_abort_while_speculating(ckpt_dir: Callable[..., Path]) -> None:
+    path = ckpt_dir("qwen2")
+    draft = ckpt_dir("qwen2", num_hidden_layers=1, _seed=5)
+    prompts = mixed_prompts(10, 512, seed=13, max_len=120)
+    base = make_engine(path).generate(prompts, GREEDY)
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(draft), num_speculative_tokens=4, max_batch_size=16)
+    engine = spec_engine(path, spec, num_kv_blocks=20, max_num_batched_tokens=256)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert engine.stats.num_preemptions > 0 and engine.spec_stats.num_draft_tokens > 0
+    engine.check_integrity()
+    assert engine.num_free_blocks == 20
+    # Abort a request in the middle of speculation: every block comes back.
+    rid = engine.add_request(prompts[3], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    other = engine.add_request(prompts[4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while not engine.scheduler.requests[rid].spec_token_ids:
+        engine.step()
+    assert engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.num_free_blocks == 20 and other not in engine.scheduler.requests
+
+
+def test_per_request_k_and_opt_out(ckpt_dir: Callable[..., Path]) -> None:
+    path = ckpt_dir("llama")
+    prompt = repetitive_prompts(1, seed=1)[0]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    engine = spec_engine(path, spec)
+    off = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, num_speculative_tokens=0))[0]
+    assert off.num_draft_tokens == 0
+    one = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, num_speculative_tokens=1))[0]
+    assert one.token_ids == off.token_ids and one.num_draft_tokens > 0
+    assert engine.spec_stats.accepted_per_position[1:] == [0] * (len(engine.spec_stats.accepted_per_position) - 1)
+    engine.check_integrity()
+
+
+def _marginal_second_token(path: Path, prompt: list[int]) -> torch.Tensor:
+    """Exact P(t2) = sum_t1 P(t1 | prompt) P(t2 | prompt, t1) of a model, at temperature 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
+        vocab = p1.shape[0]
+        seqs = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2 = model(seqs).logits[:, -1].softmax(-1)  # [V, V]: row t1
+    return (p1 @ p2).double()
+
+
+def _marginal_first_token(path: Path, prompt: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).logits[0, -1].softmax(-1).double()
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+
+    expected = probs * counts.sum()
+    keep = expected >= 5  # pool the sparse tail into one cell
+    obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)]).numpy()
+    exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)]).numpy()
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_sampling_preserves_target_distribution(method: str, ckpt_dir: Callable[..., Path]) -> None:
+    vocab = 32
+    path = ckpt_dir("llama", vocab_size=vocab, _seed=31)
+    draft = ckpt_dir("llama", vocab_size=vocab, num_hidden_layers=1, _seed=77)
+    # Every token occurs in the prompt, so n-gram lookup proposes a draft after any first token.
+    prompt = list(range(vocab)) + [5, 9, 3]
+    target_marginal = _marginal_second_token(path, prompt)
+    spec = SpeculativeConfig(method=method, draft_model=str(draft) if method == "draft_model" else None,
+                             num_speculative_tokens=1, max_batch_size=4096)
+    engine = make_engine(path, speculative=spec, num_kv_blocks=4096, max_num_seqs=1024,
+                         max_num_batched_tokens=16384, max_model_len=64)
+    torch.manual_seed(2024)
+    num_samples = 20_000
+    outs = engine.generate([prompt] * num_samples, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
+    second = torch.tensor([o.token_ids[1] for o in outs])
+    counts = torch.bincount(second, minlength=vocab).double()
+    assert engine.spec_stats.num_draft_tokens >= num_samples * 9 // 10  # the 2nd token was speculated
+    assert _chi_square_p(counts, target_marginal) > 0.001
+    # The test has power: the draft's (or the n-gram's) proposal distribution is rejected.
+    if method == "draft_model":
+        assert _chi_square_p(counts, _marginal_second_token(draft, prompt)) < 0.001
+    else:  # n-gram drafts: the token after t1's last occurrence in the prompt, i.e. t1 + 1
+        p1 = _marginal_first_token(path, prompt)
+        proposal = torch.roll(p1, 1)  # P(draft = t1 + 1)
+        assert _chi_square_p(counts, proposal) < 0.001
+    engine.check_integrity()

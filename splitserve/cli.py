@@ -22,6 +22,7 @@ def default_model() -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import Engine, EngineConfig, SamplingParams
+    from engine.spec_decode.config import SpeculativeConfig
 
     try:
         params = SamplingParams(
@@ -31,8 +32,17 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_tokens=args.max_tokens,
         )
+        speculative = None
+        if args.speculative != "none":
+            speculative = SpeculativeConfig(
+                method=args.speculative,
+                num_speculative_tokens=args.num_speculative_tokens,
+                draft_model=args.draft_model,
+            )
         engine = Engine(
-            EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
+            EngineConfig(
+                model=args.model, dtype=args.dtype, num_threads=args.threads, speculative=speculative
+            )
         )
         request_id = engine.add_request(args.prompt, params)
     except ValueError as exc:
@@ -64,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("--speculative", default="none", choices=["none", "ngram", "draft_model"])
+    gen.add_argument("--num-speculative-tokens", type=int, default=4)
+    gen.add_argument("--draft-model", default=str(DEFAULT_MODEL.parent / "draft"))
     gen.set_defaults(func=_generate)
     return parser
 

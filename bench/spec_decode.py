@@ -1,0 +1,174 @@
+"""Speculative decoding benchmark (not a test): code completion on held-out Python source.
+
+    python -m bench.spec_decode [--target models/target] [--draft models/draft] [--k 4]
+
+Workload: prefixes of the Python standard-library files that the bundled model held out
+of training (``models/train_report.json``), cut at seeded lengths of 64-512 tokens (capped
+so prompt + output fits the model), 128 new tokens, greedy. Side by side in one run:
+
+* batch 1: decode tokens/s (first to last output token) of each request alone, without
+  speculation, with n-gram lookup and with the draft model; acceptance figures.
+* batch 32: output tokens/s of all requests at once, without speculation, with the
+  default back-off policy, and with speculation forced on (back-off disabled).
+
+Greedy outputs with speculation are checked against the run without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import sysconfig
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench.report import git_commit, machine_description
+from engine import Engine, EngineConfig, SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def heldout_prompts(target: Path, num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    report = json.loads((target.parent / "train_report.json").read_text())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / f for f in report["corpus"]["heldout_files"] if (stdlib / f).is_file()]
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    rng = random.Random(seed)
+    docs = [tokenizer.encode(f.read_text(errors="replace")) for f in files]
+    docs = [d for d in docs if len(d) > max_len]
+    prompts = []
+    for i in range(num):
+        doc = docs[i % len(docs)]
+        length = rng.randint(min_len, max_len)
+        start = rng.randint(0, len(doc) - length)
+        prompts.append(doc[start : start + length])
+    return prompts
+
+
+def _engine(target: Path, spec: SpeculativeConfig | None, threads: int) -> Engine:
+    return Engine(EngineConfig(model=str(target), dtype="float32", num_kv_blocks=4096,
+                               max_num_seqs=64, max_num_batched_tokens=4096,
+                               num_threads=threads, speculative=spec))
+
+
+def run_batch1(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Each prompt alone; decode rate = (tokens - 1) / (last token time - first token time)."""
+    decode_tokens, decode_seconds, outputs = 0, 0.0, []
+    before = replace(engine.spec_stats)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+        first = last = None
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+                tokens = out.token_ids
+        outputs.append(tokens)
+        decode_tokens += len(tokens) - 1
+        decode_seconds += (last or 0.0) - (first or 0.0)
+    return {"decode_tok_s": decode_tokens / decode_seconds, "outputs": outputs,
+            **_spec_delta(before, engine)}
+
+
+def run_batched(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    before = replace(engine.spec_stats)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    num_tokens = sum(len(o.token_ids) for o in outs)
+    return {"output_tok_s": num_tokens / seconds, "seconds": seconds,
+            "outputs": [o.token_ids for o in outs], **_spec_delta(before, engine)}
+
+
+def _spec_delta(before: object, engine: Engine) -> dict:
+    after = engine.spec_stats
+    drafts = after.num_drafts - before.num_drafts  # type: ignore[attr-defined]
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens  # type: ignore[attr-defined]
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens  # type: ignore[attr-defined]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=REPO / "models" / "target")
+    ap.add_argument("--draft", type=Path, default=REPO / "models" / "draft")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    ap.add_argument("--num-batch1", type=int, default=8, help="requests timed one at a time")
+    ap.add_argument("--num-batch", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "spec_decode.json")
+    args = ap.parse_args(argv)
+
+    max_prompt = min(512, json.loads((args.target / "config.json").read_text())["max_position_embeddings"] - args.output_len)
+    prompts = heldout_prompts(args.target, args.num_batch, 64, max_prompt, args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    configs = {
+        "none": None,
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=args.k),
+        "draft": SpeculativeConfig(method="draft_model", draft_model=str(args.draft), num_speculative_tokens=args.k),
+    }
+    report: dict = {"machine": machine_description(args.threads), "commit": git_commit(REPO),
+                    "workload": {"prompt_len": [64, max_prompt], "output_len": args.output_len,
+                                 "k": args.k, "num_batch1": args.num_batch1, "num_batch": args.num_batch,
+                                 "prompt_lens": [len(p) for p in prompts]},
+                    "batch1": {}, "batch": {}}
+    engines = {name: _engine(args.target, spec, args.threads) for name, spec in configs.items()}
+    for engine in engines.values():  # warm-up
+        engine.generate([prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=8))
+    for name, engine in engines.items():
+        sys.stderr.write(f"[spec bench] batch 1: {name}\n")
+        report["batch1"][name] = run_batch1(engine, prompts[: args.num_batch1], params)
+    for name, engine in engines.items():
+        sys.stderr.write(f"[spec bench] batch {args.num_batch}: {name}\n")
+        report["batch"][name] = run_batched(engine, prompts, params)
+    forced = _engine(args.target, replace(configs["draft"], max_batch_size=args.num_batch), args.threads)
+    report["batch"]["draft_forced"] = run_batched(forced, prompts, params)
+    _print_and_save(report, args.out)
+    return 0
+
+
+def _print_and_save(report: dict, out: Path) -> None:
+    base1 = report["batch1"]["none"]
+    baseb = report["batch"]["none"]
+    lines = ["batch 1 (decode tok/s, one request at a time)",
+             f"{'proposer':14s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'mean len':>8s} {'same output':>11s}"]
+    for name, r in report["batch1"].items():
+        r["speedup"] = r["decode_tok_s"] / base1["decode_tok_s"]
+        r["greedy_identical"] = r["outputs"] == base1["outputs"]
+        lines.append(f"{name:14s} {r['decode_tok_s']:8.1f} {r['speedup']:7.2f}x {r['acceptance_rate']:7.2f} "
+                     f"{r['mean_acceptance_length']:8.2f} {str(r['greedy_identical']):>11s}")
+    lines += ["", f"batch {report['workload']['num_batch']} (output tok/s, all at once)"]
+    for name, r in report["batch"].items():
+        r["ratio"] = r["output_tok_s"] / baseb["output_tok_s"]
+        r["greedy_identical"] = r["outputs"] == baseb["outputs"]
+        lines.append(f"{name:14s} {r['output_tok_s']:8.1f} {r['ratio']:7.2f}x {r['acceptance_rate']:7.2f} "
+                     f"{r['mean_acceptance_length']:8.2f} {str(r['greedy_identical']):>11s}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    for section in ("batch1", "batch"):
+        for r in report[section].values():
+            r.pop("outputs")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    sys.stdout.write(f"report: {out}\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -378,6 +378,19 @@ def save_model(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     model.to(torch.float32)
     tokenizer.save_pretrained(out_dir)
+    write_portable_tokenizer_class(out_dir)
+
+
+def write_portable_tokenizer_class(out_dir: Path) -> None:
+    """Name the tokenizer class that both transformers 4.x and 5.x resolve.
+
+    transformers 5 writes ``TokenizersBackend``, which 4.x cannot load; both
+    load ``PreTrainedTokenizerFast`` from the same ``tokenizer.json``.
+    """
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def dir_size_bytes(path: Path) -> int:

@@ -406,9 +406,8 @@ def set_determinism(seed: int, num_threads: int) -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def run(cfg: TrainConfig, out_dir: Path, num_threads: int, skip_sample: bool = False) -> dict:
-    set_determinism(cfg.seed, num_threads)
-    wall_start = time.monotonic()
+def load_corpus(cfg: TrainConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """(train, held-out) texts keyed by stdlib-relative path, in sorted path order."""
     stdlib_dir = Path(sysconfig.get_paths()["stdlib"])
     rel_paths = list_corpus_files(stdlib_dir)
     heldout_paths = [p for p in rel_paths if is_heldout(p, cfg.heldout_percent)]
@@ -418,6 +417,13 @@ def run(cfg: TrainConfig, out_dir: Path, num_threads: int, skip_sample: bool = F
     train_texts = read_texts(stdlib_dir, train_paths)
     heldout_texts = read_texts(stdlib_dir, heldout_paths)
     logger.info("corpus: %d train files, %d held-out files", len(train_texts), len(heldout_texts))
+    return train_texts, heldout_texts
+
+
+def run(cfg: TrainConfig, out_dir: Path, num_threads: int, skip_sample: bool = False) -> dict:
+    set_determinism(cfg.seed, num_threads)
+    wall_start = time.monotonic()
+    train_texts, heldout_texts = load_corpus(cfg)
 
     tokenizer = train_tokenizer(list(train_texts.values()), cfg.vocab_size)
     vocab_size = tokenizer.get_vocab_size()

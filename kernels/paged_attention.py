@@ -155,10 +155,8 @@ def paged_attention_ref(
             _prefill_one_ref(
                 out, query, k_cache, v_cache, block_tables[s], starts[s], q_len, seq_len, scale
             )
-    if decode_seqs:
-        _decode_batch_ref(
-            out, query, k_cache, v_cache, block_tables, decode_seqs, starts, lens, scale
-        )
+    for group in _decode_groups(decode_seqs, lens) if decode_seqs else ():
+        _decode_group_ref(out, query, k_cache, v_cache, block_tables, group, starts, lens, scale)
     return out
 
 
@@ -206,21 +204,6 @@ def _decode_groups(decode_seqs: list[int], lens: list[int]) -> list[list[int]]:
     num_groups = max(1, min(_MAX_DECODE_GROUPS, len(ordered) // _MIN_DECODE_GROUP))
     size = -(-len(ordered) // num_groups)
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
-
-
-def _decode_batch_ref(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    decode_seqs: list[int],
-    starts: list[int],
-    lens: list[int],
-    scale: float,
-) -> None:
-    for group in _decode_groups(decode_seqs, lens):
-        _decode_group_ref(out, query, k_cache, v_cache, block_tables, group, starts, lens, scale)
 
 
 def _decode_group_ref(

@@ -41,6 +41,7 @@ def heldout_prompts(target: Path, num: int, min_len: int, max_len: int, seed: in
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [stdlib / f for f in report["corpus"]["heldout_files"] if (stdlib / f).is_file()]
     tokenizer = AutoTokenizer.from_pretrained(str(target))
+    tokenizer.model_max_length = 1 << 30  # whole files are tokenized, then cut
     rng = random.Random(seed)
     docs = [tokenizer.encode(f.read_text(errors="replace")) for f in files]
     docs = [d for d in docs if len(d) > max_len]

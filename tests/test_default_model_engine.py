@@ -22,6 +22,7 @@ def heldout_prompts(num: int, length: int) -> list[list[int]]:
     report = json.loads((MODELS / "train_report.json").read_text())
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
+    tokenizer.model_max_length = 1 << 30  # whole files are tokenized, then cut
     prompts = []
     for rel in report["corpus"]["heldout_files"]:
         path = stdlib / rel

@@ -120,6 +120,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         token_ids = self.tokenize(prompt)
+        if any(t >= self.spec.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {self.spec.vocab_size}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
         request.generator = make_generator(params, self.runner.device)

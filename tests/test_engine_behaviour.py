@@ -67,6 +67,8 @@ def test_bad_input_keeps_engine_serving(ckpt_dir: Callable[..., Path], hf_greedy
         engine.add_request([1, 2, 10_000], GREEDY)  # outside the vocabulary
     with pytest.raises(ValueError, match="prompt"):
         engine.add_request("text", GREEDY)  # random checkpoint: no tokenizer
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request(good, SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(99_999,)))
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

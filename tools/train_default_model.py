@@ -128,9 +128,9 @@ FULL_CONFIG = TrainConfig(
     max_eval_tokens=65536,
     rope_theta=10000.0,
     target=ModelSpec(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=640),
-    draft=ModelSpec(hidden_size=96, num_layers=2, num_heads=3, num_kv_heads=1, intermediate_size=256),
+    draft=ModelSpec(hidden_size=96, num_layers=3, num_heads=3, num_kv_heads=1, intermediate_size=256),
     target_stage=StageConfig(steps=1000, batch_size=4, lr=3e-3, warmup_steps=30),
-    draft_stage=StageConfig(steps=600, batch_size=4, lr=4e-3, warmup_steps=20, distill_weight=0.9),
+    draft_stage=StageConfig(steps=1200, batch_size=4, lr=4e-3, warmup_steps=30, distill_weight=0.9),
 )
 
 QUICK_CONFIG = TrainConfig(

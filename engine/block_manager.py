@@ -91,9 +91,6 @@ class FreeBlockQueue:
         block.prev = block.next = None
         self.num_free_blocks -= 1
 
-    def contains(self, block: KVBlock) -> bool:
-        return block.prev is not None
-
     def block_ids(self) -> list[int]:
         """Free block ids from head (next evicted) to tail. O(n): tests and checks only."""
         ids: list[int] = []

@@ -101,10 +101,6 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

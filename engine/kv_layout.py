@@ -1,0 +1,69 @@
+"""The shape of a worker's paged KV cache, as exchanged in the KV channel handshake.
+
+Two workers may only exchange pages when every field matches: a page packed with one
+layout and unpacked into another would be silently wrong attention, so a mismatch is a
+``ValueError`` naming each differing field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """kv_cache is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
+        """The layout of an allocated cache tensor."""
+        num_layers, two, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if two != 2:
+            raise ValueError(f"kv_cache dim 1 must be 2 (K, V), got {two}")
+        names = {v: k for k, v in _DTYPES.items()}
+        return cls(num_layers, num_kv_heads, head_dim, block_size, names[kv_cache.dtype])
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies across all layers, K and V."""
+        elems = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return elems * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of the buffer ``pack_kv`` makes for ``num_blocks`` pages."""
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise ``ValueError`` naming every field where ``other`` differs from ``self``."""
+        diffs = [
+            f"{f.name}: local={getattr(self, f.name)!r} peer={getattr(other, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        if diffs:
+            raise ValueError("KV layout mismatch (" + "; ".join(diffs) + ")")

@@ -131,9 +131,10 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks now. False if it is not (or no longer) known."""
+        """Stop a request and free its blocks now (also blocks held or reserved under the
+        id). False if it is not (or no longer) known."""
         self._detok.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        return self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

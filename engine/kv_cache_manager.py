@@ -10,25 +10,50 @@ Layout of one request's blocks (``block_size`` = 4 in this picture)::
 ``allocate_slots(request, n)`` grows the table so that ``num_computed_tokens + n`` tokens
 fit. Blocks are published to the prefix cache only after the step that computed them
 (``cache_computed_blocks``), so a prefix hit never points at K/V that is not written yet.
+
+Block tables outside the scheduler (KV transfer between a prefill and a decode worker)::
+
+    prefill worker:  running table --finish (hold_kv)--> held --release--> free
+    decode worker:   free --reserve--> reserved --adopt_reservation--> running table
+                                          |
+                                          +--cancel_reservation--> free
+
+Each table has exactly one holder: ``req_to_blocks`` (requests in the scheduler),
+``held`` (finished prefill requests whose prompt pages await transfer) or ``reserved``
+(blocks taken for an incoming sequence whose pages are being received). Held and reserved
+blocks are referenced, so they are never handed out or evicted; reserved blocks are private
+(fresh, unpublished) until adopted.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine.block_manager import BlockPool, KVBlock, hash_block_tokens
 from engine.request import Request
 
 
+@dataclass
+class Reservation:
+    """Blocks taken for a sequence whose prompt K/V another worker computes."""
+
+    blocks: list[KVBlock]
+    num_prompt_tokens: int
+
+
 class KVCacheManager:
-    """Owns the mapping request -> blocks. Not thread-safe: one engine loop drives it."""
+    """Owns the mapping request -> blocks (running, held and reserved tables). Not
+    thread-safe: one engine loop drives it."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}
+        self.held: dict[str, list[KVBlock]] = {}
+        self.reserved: dict[str, Reservation] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -131,9 +156,90 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
+    # -- held blocks (prefill worker) -------------------------------------------------
+    def hold(self, request: Request, num_tokens: int) -> None:
+        """Move a finished request's table to ``held``, keeping the blocks of its first
+        ``num_tokens`` tokens and freeing the rest (tail first). Blocks it published stay in
+        the prefix cache; being referenced, they cannot be evicted while held."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_published.pop(request.request_id, None)
+        keep = self.blocks_needed(num_tokens)
+        if len(blocks) < keep:
+            raise RuntimeError(
+                f"{request.request_id!r}: holding {num_tokens} tokens needs {keep} blocks, "
+                f"the request has {len(blocks)}"
+            )
+        self.pool.free(list(reversed(blocks[keep:])))
+        self.held[request.request_id] = blocks[:keep]
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Block ids held under ``request_id``, in token order; ValueError if none are."""
+        blocks = self.held.get(request_id)
+        if blocks is None:
+            raise ValueError(f"request_id {request_id!r} holds no KV blocks")
+        return [block.block_id for block in blocks]
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks held under ``request_id`` (last first). False if none are held."""
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(list(reversed(blocks)))
+        return True
+
+    # -- reservations (decode worker) -------------------------------------------------
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
+        """Take fresh blocks for ``num_prompt_tokens`` tokens from the free queue (which may
+        evict unreferenced cached blocks, never a block a table holds). None, and no change,
+        if there are not enough now. The caller checks that ``request_id`` is new."""
+        num_needed = self.blocks_needed(num_prompt_tokens)
+        if num_needed > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(num_needed)
+        self.reserved[request_id] = Reservation(blocks, num_prompt_tokens)
+        return [block.block_id for block in blocks]
+
+    def reserved_num_tokens(self, request_id: str) -> int | None:
+        reservation = self.reserved.get(request_id)
+        return reservation.num_prompt_tokens if reservation is not None else None
+
+    def reserved_block_ids(self) -> set[int]:
+        return {block.block_id for r in self.reserved.values() for block in r.blocks}
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        """Free a reservation's blocks. False if there is no reservation under the id."""
+        reservation = self.reserved.pop(request_id, None)
+        if reservation is None:
+            return False
+        self.pool.free(list(reversed(reservation.blocks)))
+        return True
+
+    def adopt_reservation(self, request: Request) -> None:
+        """Make the reservation under the request's id its block table. The caller has set
+        ``num_computed_tokens`` to the prompt length (the received K/V are in the blocks);
+        ``cache_computed_blocks`` then publishes the full ones."""
+        reservation = self.reserved.pop(request.request_id)
+        self.req_to_blocks[request.request_id] = reservation.blocks
+        self._num_published[request.request_id] = 0
+
+    def holds_transfer(self, request_id: str) -> bool:
+        """True if blocks are held or reserved under ``request_id``."""
+        return request_id in self.held or request_id in self.reserved
+
     def check_integrity(self) -> None:
-        """Every block's ref_cnt equals the number of tables holding it; the rest are free."""
+        """Every block's ref_cnt equals the number of tables holding it (running, held,
+        reserved); the rest are free. Reserved blocks are private and unpublished."""
         holders: Counter[int] = Counter()
-        for blocks in self.req_to_blocks.values():
+        for blocks in [*self.req_to_blocks.values(), *self.held.values()]:
             holders.update(block.block_id for block in blocks)
+        overlap = holders.keys() & self.reserved_block_ids()
+        if overlap:
+            raise RuntimeError(f"reserved blocks also held by a table: {sorted(overlap)}")
+        ids = [*self.req_to_blocks, *self.held, *self.reserved]
+        if len(set(ids)) != len(ids):
+            raise RuntimeError("a request id owns more than one kind of block table")
+        for reservation in self.reserved.values():
+            holders.update(block.block_id for block in reservation.blocks)
+            if any(block.block_hash is not None for block in reservation.blocks):
+                raise RuntimeError("a reserved block is published in the prefix cache")
         self.pool.check_integrity(dict(holders))

@@ -8,6 +8,15 @@ recomputed from its tokens; prefix caching usually makes that cheap). Waiting re
 admitted FCFS after that, with prefix-cache hits, until a budget runs out. A step that
 preempted admits nobody.
 
+Disaggregated serving adds two ways in and out (block tables in ``KVCacheManager``):
+
+* a request added with ``hold_kv`` that finishes normally keeps its prompt blocks
+  (``kv.hold``) for the prefill worker to ship; an aborted one frees everything;
+* ``add_prefilled`` admits a request whose prompt K/V were received into a reservation
+  and whose first token is already sampled. It waits in ``prefilled`` and joins the
+  running batch after the running requests and ahead of waiting ones (under
+  ``max_num_seqs``), costing one token.
+
 The scheduler mutates request state and the KV cache manager; the model runner only reads
 the ``SchedulerOutput``.
 """
@@ -75,30 +84,59 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefilled: deque[Request] = deque()  # prompt K/V received, not yet running
         self.requests: dict[str, Request] = {}
 
     # -- queue operations -------------------------------------------------------------
+    def is_known(self, request_id: str) -> bool:
+        """True while the id is queued, running, or holds or reserves blocks."""
+        return request_id in self.requests or self.kv.holds_transfer(request_id)
+
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if self.is_known(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish a request as aborted and free its blocks at once. Unknown id: None."""
+    def add_prefilled(self, request: Request) -> bool:
+        """Admit a request whose prompt K/V sit in the reservation under its id
+        (``num_computed_tokens`` = prompt length) and whose first output token is appended.
+        Its full prompt blocks are published to the prefix cache. Returns False if that
+        first token already finishes it: its blocks are then freed and it is not queued."""
+        self.kv.adopt_reservation(request)
+        self.kv.cache_computed_blocks(request)
+        status = self._stop_status(request, request.output_token_ids[-1])
+        if status is not None:
+            request.status = status
+            self.kv.free(request)
+            return False
+        self.requests[request.request_id] = request
+        self.prefilled.append(request)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request as aborted and free its blocks at once; blocks held or reserved
+        under the id are freed too. False if the id is unknown."""
         request = self.requests.get(request_id)
-        if request is None:
-            return None
-        self.finish(request, RequestStatus.FINISHED_ABORTED)
-        return request
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+            return True
+        return self.kv.release(request_id) or self.kv.cancel_reservation(request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request. A ``hold_kv`` request that was not aborted keeps the blocks of
+        its prompt (held for transfer); every other block is freed."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        elif request in self.prefilled:
+            self.prefilled.remove(request)
+        if request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+            self.kv.hold(request, request.num_prompt_tokens)
+        else:
+            self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -109,6 +147,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget = self._schedule_prefilled(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
@@ -147,6 +187,27 @@ class Scheduler:
         request.spec_token_ids = []
         request.draft_probs = None
         return False
+
+    def _schedule_prefilled(self, out: SchedulerOutput, budget: int) -> int:
+        """Move admitted requests into the batch, in admission order: each runs its first
+        output token (one token, at most one new block). If one cannot get its block while
+        nothing is running (so nothing will free one), the newest admitted request is
+        preempted and recomputes locally: admitted requests never wait on each other."""
+        while self.prefilled and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.prefilled[0]
+            if not self.kv.allocate_slots(request, 1):
+                if self.running:
+                    break
+                victim = self.prefilled.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                continue
+            self.prefilled.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, 1))
+            budget -= 1
+        return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -235,8 +296,17 @@ class Scheduler:
         return None
 
     def check_integrity(self) -> None:
+        """Raise if a block or a request is accounted for wrongly: each known request sits in
+        exactly one queue; only running and admitted (prefilled) requests have block tables;
+        held and reserved ids belong to no queued request."""
         self.kv.check_integrity()
-        held = set(self.kv.req_to_blocks)
-        running_ids = {r.request_id for r in self.running}
-        if not held <= running_ids:
-            raise RuntimeError(f"blocks held by non-running requests: {sorted(held - running_ids)}")
+        queued = [r.request_id for r in (*self.waiting, *self.running, *self.prefilled)]
+        if len(set(queued)) != len(queued) or set(queued) != set(self.requests):
+            raise RuntimeError("a request is in no queue, or in more than one")
+        with_blocks = set(self.kv.req_to_blocks)
+        may_hold = {r.request_id for r in (*self.running, *self.prefilled)}
+        if not with_blocks <= may_hold:
+            raise RuntimeError(f"blocks held by non-running requests: {sorted(with_blocks - may_hold)}")
+        transfer = (set(self.kv.held) | set(self.kv.reserved)) & set(self.requests)
+        if transfer:
+            raise RuntimeError(f"held or reserved ids that are also queued: {sorted(transfer)}")

@@ -119,3 +119,60 @@ def test_revived_hits_count_against_free_blocks() -> None:
     assert not kv.allocate_slots(b, 5, hits)
     assert kv.num_free_blocks == 3
     kv.check_integrity()
+
+
+def test_hold_keeps_prompt_blocks_and_frees_the_rest_tail_first() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request("a", list(range(6)))
+    assert kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    for t in (50, 51, 52, 53):  # 4 output tokens: 10 tokens, 3 blocks
+        a.append_output_token(t)
+    assert kv.allocate_slots(a, 4)
+    a.num_computed_tokens = 10
+    kv.cache_computed_blocks(a)  # blocks 0, 1 full -> published
+    kv.hold(a, a.num_prompt_tokens)
+    assert kv.held_block_ids("a") == [0, 1] and "a" not in kv.req_to_blocks
+    assert kv.pool.free_queue.block_ids() == [3, 4, 5, 6, 7, 2]
+    kv.check_integrity()
+    b = make_request("b", list(range(4)) + [9, 9])  # shares held block 0
+    hits, _ = kv.get_computed_blocks(b)
+    assert [blk.block_id for blk in hits] == [0] and kv.allocate_slots(b, 2, hits)
+    assert kv.pool.blocks[0].ref_cnt == 2
+    kv.check_integrity()
+    assert kv.release("a") and not kv.release("a")
+    assert kv.pool.blocks[0].ref_cnt == 1 and kv.pool.free_queue.block_ids()[-1] == 1
+    kv.free(b)
+    kv.check_integrity()
+    with pytest.raises(ValueError, match="request_id"):
+        kv.held_block_ids("a")
+
+
+def test_reserve_takes_the_head_and_adoption_publishes() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = make_request("a", list(range(8)))
+    assert kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_computed_blocks(a)
+    kv.free(a)
+    assert kv.pool.free_queue.block_ids() == [2, 3, 4, 5, 1, 0]  # 1 and 0 cached
+    assert kv.reserve("big", 25) is None  # 7 blocks: not now, and no change
+    assert kv.num_free_blocks == 6 and not kv.reserved
+    assert kv.reserve("r", 20) == [2, 3, 4, 5, 1]  # evicts cached block 1, keeps 0
+    assert kv.reserved_num_tokens("r") == 20 and kv.reserved_block_ids() == {1, 2, 3, 4, 5}
+    assert list(kv.pool.cached.values()) == [kv.pool.blocks[0]]
+    kv.check_integrity()
+    assert kv.cancel_reservation("r") and not kv.cancel_reservation("r")
+    assert kv.pool.free_queue.block_ids() == [0, 1, 5, 4, 3, 2]
+    assert kv.reserve("r", 9) == [0, 1, 5] and not kv.pool.cached
+    r = make_request("r", list(range(9)))
+    r.num_computed_tokens = 9  # the received prompt
+    kv.adopt_reservation(r)
+    kv.cache_computed_blocks(r)  # blocks 0 and 1 are full: published
+    assert kv.block_ids("r") == [0, 1, 5] and not kv.reserved
+    c = make_request("c", list(range(8)) + [7])
+    hits, num_hit = kv.get_computed_blocks(c)
+    assert [blk.block_id for blk in hits] == [0, 1] and num_hit == 8
+    kv.check_integrity()
+    kv.free(r)
+    kv.check_integrity()

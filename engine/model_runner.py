@@ -8,6 +8,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cpu_tuning import tune_glibc_malloc
+from engine.kv_layout import KVLayout
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import ModelSpec, load_hf_config, load_weights, model_spec_from_config
 from engine.request import Request
@@ -15,6 +16,7 @@ from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_pro
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.rejection_sampler import rejection_sample
+from kernels import ops
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -123,6 +125,28 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.spec_stats = SpecDecodeStats()
+
+    # -- KV pages (transfer between workers) ---------------------------------------------
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout.of_cache(self.kv_cache)
+
+    def pack_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """Pages ``block_ids`` of every layer, ``[num_layers, 2, n, block_size, kv_heads,
+        head_dim]``, copied into one contiguous tensor on the cache's device."""
+        return ops.pack_kv(self.kv_cache, block_ids)
+
+    def unpack_kv(self, block_ids: list[int], packed: torch.Tensor) -> None:
+        """Write page i of ``packed`` into block ``block_ids[i]`` of every layer. A buffer on
+        another device is copied over first; a wrong shape or dtype is a ``ValueError``."""
+        if not isinstance(packed, torch.Tensor):
+            raise ValueError(f"packed must be a torch.Tensor, got {type(packed).__name__}")
+        want = self.kv_layout.packed_shape(len(block_ids))
+        if tuple(packed.shape) != want or packed.dtype != self.kv_cache.dtype:
+            raise ValueError(
+                f"packed must be {want} {self.kv_cache.dtype}, got {tuple(packed.shape)} {packed.dtype}"
+            )
+        ops.unpack_kv(self.kv_cache, packed.to(self.device).contiguous(), block_ids)
 
     # -- inputs ------------------------------------------------------------------------
     def prepare_batch(

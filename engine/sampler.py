@@ -35,6 +35,7 @@ __all__ = [
     "SamplerOutput",
     "Sampler",
     "make_generator",
+    "skip_sampled_draws",
     "apply_repetition_penalty",
     "apply_temperature",
     "apply_top_k_top_p",
@@ -53,6 +54,23 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     generator = torch.Generator(device=device)
     generator.manual_seed(params.seed)
     return generator
+
+
+def skip_sampled_draws(
+    params: SamplingParams, generator: torch.Generator | None, vocab_size: int, num_tokens: int = 1
+) -> None:
+    """Advance a request's generator past the draws ``random_sample`` makes for
+    ``num_tokens`` plain (non-speculative) sampled tokens, as if they had been sampled here:
+    one ``Exp(1)`` float32 per vocabulary entry per token; greedy rows draw nothing.
+
+    A decode worker calls this for the first token, which the prefill worker sampled with an
+    identically seeded generator, so the next draws continue the same stream.
+    """
+    if generator is None or params.greedy:
+        return
+    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(num_tokens):
+        scratch.exponential_(generator=generator)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Caps that keep one request from hurting the batch; the services expose the same limits.
 MAX_LOGPROBS = 20
@@ -71,6 +71,12 @@ class SamplingParams:
                 f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} non-negative integers"
             )
         object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    def for_prefill(self) -> SamplingParams:
+        """What a prefill worker runs for these params: the first token only (``max_tokens``
+        1, ``min_tokens`` capped at 1), all else unchanged, so its first token is the one an
+        in-process run would produce (same logit processing, same seeded draw)."""
+        return replace(self, max_tokens=1, min_tokens=min(self.min_tokens, 1))
 
     @property
     def greedy(self) -> bool:

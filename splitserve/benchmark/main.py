@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from splitserve.benchmark import report as report_mod
@@ -69,14 +70,17 @@ def cost_section(config: BenchConfig, online: dict) -> dict:
             "figures": figs.to_dict(), "self_hosting_can_win": figs.self_hosting_can_win}
 
 
-def interference_section(config: BenchConfig, pool: DeploymentPool) -> dict:
+def interference_section(config: BenchConfig, pool: DeploymentPool, keep: set[DeploymentSpec]) -> dict:
     from splitserve.benchmark import interference, online
 
     specs = {mode: deployment_spec(config, mode, config.model, config.kv_flags())
              for mode in ("disaggregated", "colocated")}
+    if config.profile.interference.colocated_one_thread and config.threads > 1:
+        specs["colocated, 1 thread"] = replace(specs["colocated"], colocated_threads=1)
     say("interference: steady decodes + long prompts, disaggregated then colocated")
     section, _ = interference.run_interference(config.profile.interference, specs, pool,
-                                               online.ModelInfo.read(config.model), config.seed, config.progress)
+                                               online.ModelInfo.read(config.model), config.seed, config.progress,
+                                               frozenset(keep))
     return section
 
 
@@ -139,6 +143,7 @@ def _later_specs(config: BenchConfig) -> tuple[set[DeploymentSpec], set[Deployme
 
 def run(config: BenchConfig, argv: list[str]) -> tuple[dict, list[str]]:
     """Every requested section; returns the report and the failures."""
+    config.out_dir.mkdir(parents=True, exist_ok=True)
     report, failures = _header(config, argv), []
     start = time.perf_counter()
     pool = DeploymentPool(config.out_dir / "logs")
@@ -150,7 +155,7 @@ def run(config: BenchConfig, argv: list[str]) -> tuple[dict, list[str]]:
         report["cost"] = (cost_section(config, report["online"]) if not report_mod.is_skipped(report["online"])
                           else skipped("the online section did not run"))
         pool.retain(for_interference | for_peers)
-        report["interference"] = (_guarded("interference", lambda: interference_section(config, pool), failures)
+        report["interference"] = (_guarded("interference", lambda: interference_section(config, pool, for_peers), failures)
                                   if "interference" in config.sections else not_requested)
         pool.retain(for_peers)
         report["peers"] = (_guarded("peers", lambda: peers_section(config, pool), failures)
@@ -168,8 +173,12 @@ def write(report: dict, out_dir: Path) -> list[str]:
     from splitserve.benchmark import markdown, plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = plots.write_plots(report, out_dir)
-    report["plots"] = names
+    try:
+        names = plots.write_plots(report, out_dir)
+        report["plots"] = names
+    except ImportError as exc:  # matplotlib missing: the figures are still all in the JSON
+        names = []
+        report["plots"] = {"skipped": f"no plots: {exc}"}
     (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out_dir / "report.md").write_text(markdown.render(report, names))
     return names

@@ -113,7 +113,8 @@ def interference_md(section: dict) -> str:
     rows = []
     for mode, entry in section["modes"].items():
         f = entry["figures"]
-        rows.append([mode, _dist(f, "decode_itl_ms_baseline", "p50"), _dist(f, "decode_itl_ms_baseline", "p99"),
+        threads = ", ".join(f"{k} {v}" for k, v in entry["deployment"]["threads"].items())
+        rows.append([f"{mode} ({threads} threads)", _dist(f, "decode_itl_ms_baseline", "p50"), _dist(f, "decode_itl_ms_baseline", "p99"),
                      _dist(f, "decode_itl_ms_under_interference", "p50"),
                      _dist(f, "decode_itl_ms_under_interference", "p90"),
                      _dist(f, "decode_itl_ms_under_interference", "p99"),
@@ -121,7 +122,8 @@ def interference_md(section: dict) -> str:
     out.append(table(["mode", "ITL p50 alone", "ITL p99 alone", "ITL p50 under long prompts",
                       "ITL p90", "ITL p99", "long-prompt TTFT p50", "TTFT p99"], rows))
     ratio = section["figures"]["itl_p99_ratio_disaggregated_vs_colocated"]
-    out.append(f"\nITL P99 disaggregated / colocated: **{_num(ratio, '.2f')}** (all latencies in ms).\n")
+    out.append(f"\nITL P99 disaggregated / colocated ({section['colocated_reference']}, the better colocated "
+               f"variant): **{_num(ratio, '.2f')}** (all latencies in ms).\n")
     return "".join(out)
 
 

@@ -233,13 +233,19 @@ def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
     for system in profile.systems:
         progress(f"peers: {LABELS.get(system, system)}")
         start = time.perf_counter()
-        if system in ("engine", "hf_generate", "hf_generate_batch"):
-            results[system] = run_in_process(system, setup, profile.num_hf_sequential)
-        elif system == "vllm_cpu":
-            results[system] = run_vllm(setup, vllm_python, threads, log_dir / "vllm.log")
-        else:
-            results[system] = run_deployment(deployment(system, setup), pool, setup)
-        progress(f"peers: {system} done in {time.perf_counter() - start:.0f} s")
+        try:
+            if system in ("engine", "hf_generate", "hf_generate_batch"):
+                results[system] = run_in_process(system, setup, profile.num_hf_sequential)
+            elif system == "vllm_cpu":
+                results[system] = run_vllm(setup, vllm_python, threads, log_dir / "vllm.log")
+            else:  # the last section: nothing needs the deployment afterwards
+                spec = deployment(system, setup)
+                results[system] = run_deployment(spec, pool, setup)
+                pool.release(spec)
+        except Exception as exc:  # one system's failure is its row, not the section's end
+            results[system] = PeerResult(system, len(setup.prompts), error=f"{type(exc).__name__}: {exc}")
+        progress(f"peers: {system} {'done' if results[system].error is None else 'FAILED'} "
+                 f"in {time.perf_counter() - start:.0f} s")
     engine = results.get("engine")
     engine_tps = engine.output_tokens_per_s if engine else None
     rows = [peer_row(r, engine_tps, engine if name != "engine" else None) for name, r in results.items()]

@@ -43,9 +43,9 @@ class OnlineProfile:
     capacity_requests: int = 64
     capacity_concurrency: int = 16
     sweep_workload: str = "code"
-    sweep_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25)
+    sweep_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.5)
     sweep_rates: tuple[float, ...] = ()  # explicit rates (req/s) replace the fractions
-    sweep_requests: int = 24
+    sweep_requests: int = 32
     mix_requests: int = 40
     mix_concurrency: int = 8
 
@@ -86,6 +86,7 @@ class InterferenceProfile:
     long_rate_rps: float = 4.0
     num_long: int = 40
     baseline_s: float = 2.0  # decode traffic alone before the long prompts start
+    colocated_one_thread: bool = True  # also run colocated on one thread (when --threads > 1)
 
     def __post_init__(self) -> None:
         if self.decode_clients < 1 or self.num_long < 1 or not self.long_rate_rps > 0:
@@ -129,7 +130,8 @@ TINY = Profile(
     peers=PeersProfile(systems=FAST_PEERS, engine_workload=False, num_requests=6, output_len=8,
                        min_prompt=8, max_prompt=48, num_hf_sequential=2),
     interference=InterferenceProfile(decode_clients=2, decode_output=24, long_prompt=LengthDist(200, 240),
-                                     long_output=2, long_rate_rps=4.0, num_long=4, baseline_s=0.5),
+                                     long_output=2, long_rate_rps=4.0, num_long=4, baseline_s=0.5,
+                                     colocated_one_thread=False),
 )
 
 PROFILES = {"full": FULL, "tiny": TINY}

@@ -83,7 +83,7 @@ class KVChannel(ABC):
         """Queue a receive into ``tensor`` (contiguous, filled in place), in call order.
 
         ``tensor`` must have exactly as many bytes as the peer's matching send; otherwise
-        the op fails with TransportError (the frame header is checked before the payload).
+        the op fails with TransportError (the frame is checked before any payload byte lands).
         If the peer sent a cancel marker instead, the future fails with
         :class:`TransferCancelled` and the channel stays usable.
         """
@@ -102,6 +102,11 @@ class KVChannel(ABC):
     def broken(self) -> bool:
         """True once the channel carries no more ops: after any failure, or after close()."""
 
+    @property
+    @abstractmethod
+    def failure(self) -> str | None:
+        """Why the channel broke (its first failure), or None (healthy, or merely closed)."""
+
     @abstractmethod
     def close(self) -> None:
         """Idempotent. Fails pending futures with TransportError and stops the threads.
@@ -109,6 +114,11 @@ class KVChannel(ABC):
         Returns promptly; an op already on the wire is abandoned (its future has failed)
         and its thread exits when the transport lets go of it (at most ``timeout_s``).
         """
+
+    @abstractmethod
+    def join(self, timeout: float | None = None) -> bool:
+        """After close(): wait up to ``timeout`` seconds for the channel's threads to exit.
+        True when they have, i.e. the transport no longer touches any tensor passed in."""
 
     def __enter__(self) -> KVChannel:
         return self

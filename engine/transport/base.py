@@ -85,7 +85,8 @@ class KVChannel(ABC):
         ``tensor`` must have exactly as many bytes as the peer's matching send; otherwise
         the op fails with TransportError (the frame is checked before any payload byte lands).
         If the peer sent a cancel marker instead, the future fails with
-        :class:`TransferCancelled` and the channel stays usable.
+        :class:`TransferCancelled` (the tensor's contents are then unspecified) and the
+        channel stays usable.
         """
 
     @abstractmethod

@@ -29,7 +29,7 @@ run: $(STAMP)
 	rc=$$?; kill -TERM $$up; wait $$up; exit $$rc
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 bench: $(STAMP)
 	$(PY) -m bench.throughput

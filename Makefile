@@ -5,24 +5,31 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+PORT   ?= 50051
 
 .PHONY: setup run test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first, so the range in pyproject.toml resolves to it.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# Regenerate the protobuf modules with this venv's grpcio-tools (matches its protobuf).
+	$(PY) -m splitserve.protogen
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+# Bring the local cluster up (gateway + 1 prefill + 1 decode process, logs in .cache/logs),
+# stream one completion through the gateway, then stop the cluster (SIGTERM: drain, exit).
 run: $(STAMP)
-	$(VENV)/bin/splitserve generate "def fibonacci(n):" --max-tokens 64
+	@$(VENV)/bin/splitserve up --port $(PORT) --log-dir .cache/logs & up=$$!; \
+	$(VENV)/bin/splitserve generate --gateway 127.0.0.1:$(PORT) "def fibonacci(n):" --max-tokens 64; \
+	rc=$$?; kill -TERM $$up; wait $$up; exit $$rc
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 bench: $(STAMP)
 	$(PY) -m bench.throughput

@@ -84,10 +84,12 @@ class _Workspace:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (name, dtype, device)
+        # A buffer made under inference_mode cannot be written outside it (and vice versa
+        # it would cost a version-counter check), so each mode keeps its own.
+        key = (name, dtype, device, torch.is_inference_mode_enabled())
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=device)

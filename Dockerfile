@@ -1,0 +1,30 @@
+# splitserve: one image for the gateway and both workers (compose.yaml picks the command).
+# GPU: the default TORCH_INDEX pulls CUDA torch; the CUDA runtime comes from its wheels and
+# the driver from the NVIDIA container toolkit. CPU-only: --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu
+FROM python:3.11-slim
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ARG TORCH_VERSION=2.13.0
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+COPY pyproject.toml setup.py README.md ./
+COPY protos ./protos
+COPY engine ./engine
+COPY kernels ./kernels
+COPY gateway ./gateway
+COPY prefill_worker ./prefill_worker
+COPY decode_worker ./decode_worker
+COPY splitserve ./splitserve
+COPY models ./models
+# setup.py's build_py hook generates splitserve/v1/*_pb2*.py from protos/ during this install.
+RUN pip install . && python -c "import splitserve.v1.gateway_pb2_grpc"
+
+ENV SPLITSERVE_MODEL=/app/models/target \
+    SPLITSERVE_HOST=0.0.0.0
+EXPOSE 50051
+ENTRYPOINT ["splitserve"]
+CMD ["up", "--help"]

@@ -1,0 +1,1 @@
+"""Decode worker: reserves KV blocks, receives pages, runs continuous batching."""

@@ -1,0 +1,112 @@
+"""Runs an ``Engine`` on one dedicated thread; other threads (the gRPC event loop) talk to
+it through ``call()``.
+
+The engine is not thread-safe, so this thread is its only owner. Between steps it runs the
+queued calls, then one ``engine.step()``, then hands the outputs to ``on_outputs`` (which
+must not block: services push them onto asyncio queues with ``call_soon_threadsafe``), so a
+slow client never stalls the batch. When idle it waits on a condition, waking for new calls
+or every ``idle_tick_s`` to run ``on_tick`` (lease expiry and similar housekeeping).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import structlog
+
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+
+T = TypeVar("T")
+log = structlog.get_logger()
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        on_tick: Callable[[Engine], None] | None = None,
+        idle_tick_s: float = 0.05,
+    ) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._on_tick = on_tick
+        self._idle_tick_s = idle_tick_s
+        self._calls: deque[tuple[Callable[[Engine], Any], Future[Any]]] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current step; pending calls fail with ``RuntimeError``."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the loop thread before the next step (any thread may call)."""
+        future: Future[T] = Future()
+        with self._cv:
+            if self._stopping:
+                future.set_exception(RuntimeError("engine loop is stopped"))
+                return future
+            self._calls.append((fn, future))
+            self._cv.notify_all()
+        return future
+
+    # -- the loop thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self._stopping:
+                    break
+                if not self._calls and not self.engine.has_unfinished_requests():
+                    self._cv.wait(self._idle_tick_s)
+                calls = list(self._calls)
+                self._calls.clear()
+            self._run_calls(calls)
+            self._tick()
+            if self.engine.has_unfinished_requests():
+                self._step()
+        with self._cv:
+            pending = list(self._calls)
+            self._calls.clear()
+        for _, future in pending:
+            future.set_exception(RuntimeError("engine loop is stopped"))
+
+    def _run_calls(self, calls: list[tuple[Callable[[Engine], Any], Future[Any]]]) -> None:
+        for fn, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+    def _tick(self) -> None:
+        if self._on_tick is None:
+            return
+        try:
+            self._on_tick(self.engine)
+        except Exception:  # noqa: BLE001 - housekeeping must not kill the loop
+            log.exception("engine_loop.tick_failed")
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001
+            log.exception("engine_loop.step_failed")
+            raise
+        self.num_steps += 1
+        if outputs:
+            self._on_outputs(outputs)

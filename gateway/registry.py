@@ -1,0 +1,149 @@
+"""The worker registry: registration, heartbeats, liveness, and the routing choices.
+
+One owner: the gateway's event loop (no locks). A worker that misses
+``heartbeat_miss_count`` periods is dropped by the sweeper; a worker whose RPC fails with
+UNAVAILABLE is dropped at once (``mark_dead``). Routing reads the last reported load plus
+what this gateway routed since (so a burst does not all land on one worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from splitserve.grpc_util import channel_options
+from splitserve.v1 import (
+    common_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    prefill_pb2_grpc,
+)
+
+log = structlog.get_logger()
+
+
+@dataclass
+class WorkerEntry:
+    worker_id: int
+    role: int
+    address: str
+    channel: grpc.aio.Channel
+    stub: object  # DecodeWorkerStub | PrefillWorkerStub
+    load: common_pb2.WorkerLoad
+    state: int = common_pb2.WORKER_STATE_SERVING
+    last_beat: float = field(default_factory=time.monotonic)
+    # Routed by this gateway and not finished yet (decayed by heartbeats' real numbers).
+    num_routed: int = 0
+    num_routed_prefill_tokens: int = 0
+
+    def kv_pressure(self) -> float:
+        total = max(self.load.kv_blocks_total, 1)
+        used = total - self.load.kv_blocks_free
+        return used / total + self.num_routed / 64.0
+
+    def to_proto(self, now: float) -> gateway_pb2.WorkerInfo:
+        return gateway_pb2.WorkerInfo(
+            worker_id=self.worker_id, role=self.role, address=self.address, state=self.state,
+            load=self.load, heartbeat_age_ms=int((now - self.last_beat) * 1000),
+        )
+
+
+class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
+    def __init__(self, model: str, heartbeat_period_ms: int, heartbeat_miss_count: int) -> None:
+        self.model = model
+        self.period_ms = heartbeat_period_ms
+        self.miss_count = heartbeat_miss_count
+        self.workers: dict[int, WorkerEntry] = {}
+        self._ids = itertools.count(1)
+        self._sweeper: asyncio.Task[None] | None = None
+        self.changed = asyncio.Event()
+
+    # -- RPCs ---------------------------------------------------------------------------
+    async def RegisterWorker(
+        self, request: gateway_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.RegisterWorkerResponse:
+        if request.role not in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE):
+            raise ValueError(f"role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {request.role}")
+        if not request.address:
+            raise ValueError("address must be host:port")
+        if request.model != self.model:
+            raise ValueError(f"model: worker serves {request.model!r}, gateway serves {self.model!r}")
+        channel = grpc.aio.insecure_channel(request.address, options=channel_options())
+        stub_type = (
+            decode_pb2_grpc.DecodeWorkerStub
+            if request.role == common_pb2.WORKER_ROLE_DECODE
+            else prefill_pb2_grpc.PrefillWorkerStub
+        )
+        entry = WorkerEntry(next(self._ids), request.role, request.address, channel,
+                            stub_type(channel), request.load)
+        self.workers[entry.worker_id] = entry
+        self.changed.set()
+        log.info("registry.worker_joined", worker_id=entry.worker_id,
+                 role=common_pb2.WorkerRole.Name(request.role), address=request.address)
+        return gateway_pb2.RegisterWorkerResponse(worker_id=entry.worker_id,
+                                                  heartbeat_period_ms=self.period_ms)
+
+    async def Heartbeat(
+        self, request: gateway_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.HeartbeatResponse:
+        entry = self.workers.get(request.worker_id)
+        if entry is None:
+            return gateway_pb2.HeartbeatResponse(known=False)
+        entry.load = request.load
+        entry.state = request.state or common_pb2.WORKER_STATE_SERVING
+        entry.last_beat = time.monotonic()
+        return gateway_pb2.HeartbeatResponse(known=True)
+
+    # -- liveness -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        limit = self.period_ms * self.miss_count / 1000.0
+        while True:
+            await asyncio.sleep(self.period_ms / 1000.0)
+            now = time.monotonic()
+            for entry in list(self.workers.values()):
+                if now - entry.last_beat > limit:
+                    self.drop(entry.worker_id, f"no heartbeat for {now - entry.last_beat:.2f} s")
+
+    def drop(self, worker_id: int, reason: str) -> None:
+        entry = self.workers.pop(worker_id, None)
+        if entry is not None:
+            log.warning("registry.worker_dropped", worker_id=worker_id, address=entry.address, reason=reason)
+            asyncio.get_running_loop().create_task(entry.channel.close())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for entry in self.workers.values():
+            await entry.channel.close()
+
+    # -- routing ------------------------------------------------------------------------
+    def live(self, role: int) -> list[WorkerEntry]:
+        return [w for w in self.workers.values()
+                if w.role == role and w.state == common_pb2.WORKER_STATE_SERVING]
+
+    def pick_decode(self, exclude: set[int]) -> WorkerEntry | None:
+        """The decode worker with the lowest KV load (used + routed-in-flight)."""
+        candidates = [w for w in self.live(common_pb2.WORKER_ROLE_DECODE) if w.worker_id not in exclude]
+        return min(candidates, key=lambda w: (w.kv_pressure(), w.worker_id), default=None)
+
+    def pick_prefill(self, exclude: set[int]) -> WorkerEntry | None:
+        """The prefill worker with the fewest queued prompt tokens (reported + routed)."""
+        candidates = [w for w in self.live(common_pb2.WORKER_ROLE_PREFILL) if w.worker_id not in exclude]
+        return min(
+            candidates,
+            key=lambda w: (w.load.num_queued_prefill_tokens + w.num_routed_prefill_tokens, w.worker_id),
+            default=None,
+        )
+
+    def info(self) -> list[gateway_pb2.WorkerInfo]:
+        now = time.monotonic()
+        return [w.to_proto(now) for w in sorted(self.workers.values(), key=lambda w: w.worker_id)]

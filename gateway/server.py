@@ -1,0 +1,66 @@
+"""Run the gateway: Gateway + WorkerRegistry services, health, reflection, metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from engine.config import EngineConfig
+from engine.model_runner import resolve_max_model_len
+from engine.models.loader import load_hf_config, model_spec_from_config
+from gateway.registry import Registry
+from gateway.service import GatewayService
+from gateway.validation import Limits
+from splitserve import grpc_util
+from splitserve.config import GatewayConfig
+from splitserve.metrics import GatewayMetrics, serve_metrics
+from splitserve.v1 import gateway_pb2_grpc
+from splitserve.worker import wait_for_signal
+
+log = structlog.get_logger()
+SERVICE_NAMES = ["splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"]
+
+
+def load_tokenizer(model: str) -> Any | None:
+    root = Path(model)
+    if not (root / "tokenizer.json").is_file() and not (root / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(root))
+
+
+def model_limits(config: GatewayConfig) -> Limits:
+    spec = model_spec_from_config(load_hf_config(config.model))
+    max_model_len = resolve_max_model_len(EngineConfig(model=config.model, max_model_len=config.max_model_len), spec)
+    return Limits(spec.vocab_size, max_model_len, config.max_stop_strings, config.max_stop_string_bytes)
+
+
+async def serve_gateway(config: GatewayConfig) -> None:
+    limits = model_limits(config)
+    tokenizer = load_tokenizer(config.model)
+    model_name = Path(config.model).name
+    metrics = GatewayMetrics.create()
+    registry = Registry(model_name, config.heartbeat_period_ms, config.heartbeat_miss_count)
+    service = GatewayService(config, registry, tokenizer, limits, metrics, model_name)
+    server = grpc_util.make_server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(service, server)
+    gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(registry, server)
+    health = grpc_util.add_health_and_reflection(server, SERVICE_NAMES)
+    address = grpc_util.bind_port(server, config.server.host, config.server.port)
+    await server.start()
+    registry.start()
+    metrics_port = serve_metrics(metrics.registry, config.server.host, config.server.metrics_port)
+    await grpc_util.set_serving(health, SERVICE_NAMES, True)
+    log.info("gateway.serving", address=address, metrics_port=metrics_port, model=model_name,
+             max_model_len=limits.max_model_len)
+    if config.server.ready_file:
+        Path(config.server.ready_file).write_text(address)
+    await wait_for_signal()
+    log.info("gateway.draining", in_flight=service.num_in_flight)
+    await grpc_util.set_serving(health, SERVICE_NAMES, False)
+    await server.stop(config.server.drain_timeout_s)
+    await registry.stop()
+    log.info("gateway.stopped")

@@ -1,0 +1,1 @@
+"""Prefill worker: computes prompts in batches and ships their KV pages."""

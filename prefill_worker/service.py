@@ -1,0 +1,133 @@
+"""The prefill worker's gRPC service.
+
+``Prefill``: the prompt joins the engine's batch (chunked prefill, prefix cache) with
+``max_tokens=1`` and ``hold_kv``; once the first token is sampled the held pages are packed
+into one buffer (engine thread), announced to the decode worker and sent on the pair's
+channel; when the decode worker reports the transfer DONE (``AwaitTransfer``) the held
+blocks are released. Any failure or cancellation releases them too — exactly once, in the
+``finally`` — and the transport never touches a block, only the packed copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+from splitserve import convert
+from splitserve.config import WorkerConfig
+from splitserve.grpc_util import ServiceError
+from splitserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
+from splitserve.worker import WorkerBase
+from prefill_worker.channels import ChannelPool
+
+log = structlog.get_logger()
+
+
+class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillWorkerServicer):
+    role = common_pb2.WORKER_ROLE_PREFILL
+    role_name = "prefill"
+
+    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+        super().__init__(config, engine)
+        self.channels = ChannelPool(
+            engine.kv_layout, config.resolved_transport(), config.server.public_host,
+            config.engine.device, config.transfer_timeout_s, config.fault_transfer_stall_s,
+        )
+        self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        rid = str(request.request_id)
+        prompt = list(request.prompt_token_ids)
+        params = convert.sampling_params_from_proto(request.sampling, request.stopping).for_prefill()
+        if not request.target.address:
+            raise ValueError("target.address must name the decode worker")
+        if rid in self.queues:
+            raise ValueError(f"request_id {rid} is already being prefilled here")
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queues[rid] = queue
+        start = time.monotonic()
+        try:
+            await self.run(lambda e: e.add_request(prompt, params, request_id=rid, hold_kv=True))
+            out = await queue.get()
+            while not out.finished:
+                out = await queue.get()
+            prefill_done = time.monotonic()
+            self.metrics.prompt_tokens.inc(len(prompt) - out.num_cached_tokens)
+            if out.finish_reason == "abort" or not out.token_ids:
+                raise ServiceError(grpc.StatusCode.ABORTED, "prefill was aborted")
+            packed = await self.run(self._pack(rid))
+            num_bytes = packed.numel() * packed.element_size()
+            first_logprob = None
+            if out.logprobs:
+                tops = out.top_logprobs[0] if out.top_logprobs else None
+                first_logprob = convert.token_logprob(out.token_ids[0], out.logprobs[0], tops)
+            timings = common_pb2.PhaseTimings(
+                prefill_us=int((prefill_done - start) * 1e6), transfer_bytes=num_bytes,
+                num_cached_prompt_tokens=out.num_cached_tokens,
+            )
+            header = kv_transfer_pb2.TransferHeader(
+                transfer_id=request.target.transfer_id, request_id=request.request_id,
+                num_blocks=packed.shape[2], num_bytes=num_bytes, num_prompt_tokens=len(prompt),
+                first_token_id=out.token_ids[0], timings=timings,
+            )
+            if first_logprob is not None:
+                header.first_logprob.CopyFrom(first_logprob)
+            t_transfer = time.monotonic()
+            send = await self.channels.announce_and_send(request.target.address, header, packed)
+            await asyncio.wrap_future(send)
+            status = await self.channels.peer(request.target.address).stub.AwaitTransfer(
+                kv_transfer_pb2.AwaitTransferRequest(
+                    transfer_id=request.target.transfer_id,
+                    timeout_ms=int(self.config.transfer_timeout_s * 1000),
+                ),
+                timeout=self.config.transfer_timeout_s + 1,
+            )
+            if status.state != kv_transfer_pb2.TRANSFER_STATE_DONE:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                   f"decode worker did not take the KV pages: {status.error or status.state}")
+            seconds = time.monotonic() - t_transfer
+            timings.transfer_us = int(seconds * 1e6)
+            self.metrics.transfer_bytes.inc(num_bytes)
+            self.metrics.transfer_seconds.observe(seconds)
+            self.metrics.transfers.labels(role=self.role_name, outcome="done").inc()
+            log.info("prefill.done", num_prompt_tokens=len(prompt), transfer_bytes=num_bytes,
+                     prefill_s=round(prefill_done - start, 6), transfer_s=round(seconds, 6))
+            response = prefill_pb2.PrefillResponse(first_token_id=out.token_ids[0], timings=timings)
+            if first_logprob is not None:
+                response.first_logprob.CopyFrom(first_logprob)
+            return response
+        except BaseException:
+            self.metrics.transfers.labels(role=self.role_name, outcome="failed").inc()
+            raise
+        finally:
+            self.queues.pop(rid, None)
+            self.loop.call(lambda e: self._free(e, rid))
+
+    def _pack(self, rid: str):  # noqa: ANN202 - returns an engine-thread closure
+        def pack(engine: Engine):  # noqa: ANN202
+            block_ids = engine.held_block_ids(rid)
+            self._num_held[rid] = len(block_ids)
+            self.num_in_transfer_blocks += len(block_ids)
+            return engine.pack_kv(block_ids)
+
+        return pack
+
+    def _free(self, engine: Engine, rid: str) -> None:
+        """Engine thread: release the held pages (or abort a still-running prefill), once."""
+        self.num_in_transfer_blocks -= self._num_held.pop(rid, 0)
+        if not engine.release_kv(rid):
+            engine.abort(rid)
+
+
+def add_to_server(worker: PrefillWorker, server: grpc.aio.Server) -> None:
+    prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(worker, server)
+
+
+SERVICE_NAME = "splitserve.v1.PrefillWorker"

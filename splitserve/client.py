@@ -1,0 +1,82 @@
+"""A small gRPC client for the gateway: the ``generate`` command, the tests and the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import grpc
+
+from splitserve.grpc_util import channel_options
+from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+def make_request(
+    prompt: str | list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+    top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+    ignore_eos: bool = False,
+) -> gateway_pb2.GenerateRequest:
+    request = gateway_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0)),
+        stopping=common_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, stop_strings=stop or [],
+                                             ignore_eos=ignore_eos),
+    )
+    if seed is not None:
+        request.sampling.seed = seed
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s: float) -> gateway_pb2.GetInfoResponse:
+    """Poll ``GetInfo`` until the gateway lists enough serving workers of each role."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    with grpc.insecure_channel(address, options=channel_options()) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                info = stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=2.0)
+                roles = [w.role for w in info.workers if w.state == common_pb2.WORKER_STATE_SERVING]
+                if (roles.count(common_pb2.WORKER_ROLE_PREFILL) >= num_prefill
+                        and roles.count(common_pb2.WORKER_ROLE_DECODE) >= num_decode):
+                    return info
+            except grpc.RpcError as exc:
+                last = exc
+            time.sleep(0.1)
+    raise TimeoutError(f"gateway {address} did not list {num_prefill} prefill + {num_decode} decode "
+                       f"workers within {timeout_s} s ({last})")
+
+
+def stream_to_terminal(args: argparse.Namespace) -> int:
+    """``splitserve generate``: stream text to stdout; the finish reason and timings to stderr."""
+    try:
+        wait_for_workers(args.gateway, 0, 1, args.wait_s)
+    except TimeoutError as exc:
+        sys.stderr.write(f"splitserve generate: {exc}\n")
+        return 1
+    request = make_request(args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k,
+                           args.seed, args.stop)
+    with grpc.insecure_channel(args.gateway, options=channel_options()) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+        try:
+            for chunk in stub.Generate(request, timeout=args.timeout_s):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    t = chunk.timings
+                    sys.stderr.write(
+                        f"\n[finish_reason={common_pb2.FinishReason.Name(chunk.finish_reason)} "
+                        f"ttft_ms={t.first_token_us / 1000:.1f} total_ms={t.total_us / 1000:.1f} "
+                        f"prefill_ms={t.prefill_us / 1000:.1f} transfer_ms={t.transfer_us / 1000:.1f} "
+                        f"transfer_bytes={t.transfer_bytes}]\n"
+                    )
+        except grpc.RpcError as exc:
+            sys.stderr.write(f"\nsplitserve generate: {exc.code().name}: {exc.details()}\n")
+            return 1
+    return 0

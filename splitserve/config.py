@@ -1,0 +1,199 @@
+"""Service configuration: frozen dataclasses built once at the entry point.
+
+Every flag ``--some-flag`` can also be set through ``SPLITSERVE_SOME_FLAG`` (flags win).
+The environment is read when the parser is built inside ``main()``, never at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.spec_decode.config import SpeculativeConfig
+
+TRANSPORTS = ("auto", "gloo", "nccl")
+
+
+def env_name(flag: str) -> str:
+    return "SPLITSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
+    """``parser.add_argument`` whose default comes from ``SPLITSERVE_*`` when set."""
+    value = os.environ.get(env_name(flag))
+    if value is not None:
+        if kwargs.get("action") == "store_true":
+            kwargs["default"] = value.lower() in ("1", "true", "yes", "on")
+        else:
+            kwargs["default"] = kwargs.get("type", str)(value)
+    if "help" in kwargs:
+        kwargs["help"] += f" [env {env_name(flag)}]"
+    parser.add_argument(flag, **kwargs)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where a service listens and reports."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: an ephemeral port
+    advertise_host: str | None = None  # what peers dial; default: host
+    metrics_port: int = -1  # -1: no /metrics endpoint; 0: ephemeral
+    ready_file: str | None = None  # write "host:port" here once serving
+    log_level: str = "info"
+    drain_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A prefill or decode worker."""
+
+    server: ServerConfig
+    engine: EngineConfig
+    gateway: str  # host:port of the gateway's registry
+    transport: str = "auto"  # auto: nccl on CUDA, gloo otherwise
+    transfer_timeout_s: float = 30.0  # one channel operation, and AwaitTransfer
+    max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
+    # Fault injection for the failure tests: the prefill worker sleeps this long between
+    # announcing a transfer and posting its send (0: off).
+    fault_transfer_stall_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+
+    def resolved_transport(self) -> str:
+        if self.transport != "auto":
+            return self.transport
+        return "nccl" if self.engine.device.startswith("cuda") else "gloo"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    server: ServerConfig
+    model: str
+    max_model_len: int | None = None
+    local_prefill_max_tokens: int = 32  # prompts shorter than this prefill on the decode worker
+    heartbeat_period_ms: int = 500
+    heartbeat_miss_count: int = 3
+    max_in_flight: int = 256  # more concurrent requests: RESOURCE_EXHAUSTED
+    reservation_wait_ms: int = 5_000
+    lease_ms: int = 15_000
+    max_attempts: int = 3  # routing attempts while nothing was streamed
+    max_stop_strings: int = 8
+    max_stop_string_bytes: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_period_ms", "heartbeat_miss_count", "max_in_flight",
+                     "reservation_wait_ms", "lease_ms", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
+
+
+def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    add_flag(p, "--host", default="127.0.0.1", help="bind address")
+    add_flag(p, "--port", type=int, default=default_port, help="gRPC port (0: ephemeral)")
+    add_flag(p, "--advertise-host", default=None, help="host peers dial (default: --host)")
+    add_flag(p, "--metrics-port", type=int, default=-1, help="Prometheus port (-1 off, 0 ephemeral)")
+    add_flag(p, "--ready-file", default=None, help="write host:port here once serving")
+    add_flag(p, "--log-level", default="info", help="debug|info|warning|error")
+    add_flag(p, "--drain-timeout-s", type=float, default=10.0, help="grace for in-flight work on SIGTERM")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host, port=args.port, advertise_host=args.advertise_host,
+        metrics_port=args.metrics_port, ready_file=args.ready_file,
+        log_level=args.log_level, drain_timeout_s=args.drain_timeout_s,
+    )
+
+
+def add_engine_flags(p: argparse.ArgumentParser, default_model: str) -> None:
+    add_flag(p, "--model", default=default_model, help="local checkpoint directory")
+    add_flag(p, "--dtype", default="float32", help="float32|bfloat16|float16")
+    add_flag(p, "--device", default="cpu", help="cpu or cuda[:n]")
+    add_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
+    add_flag(p, "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    add_flag(p, "--max-num-seqs", type=int, default=64, help="running batch cap")
+    add_flag(p, "--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    add_flag(p, "--max-model-len", type=int, default=None, help="cap on prompt + output")
+    add_flag(p, "--threads", type=int, default=1, help="torch threads")
+    add_flag(p, "--speculative", default="none", choices=["none", "ngram", "draft_model"],
+             help="speculative decoding (decode worker)")
+    add_flag(p, "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
+    add_flag(p, "--draft-model", default=None, help="draft checkpoint for --speculative draft_model")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    speculative = None
+    if args.speculative != "none":
+        speculative = SpeculativeConfig(
+            method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=args.draft_model,
+        )
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        num_threads=args.threads, speculative=speculative,
+    )
+
+
+def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
+    add_server_flags(p, default_port=0)
+    add_engine_flags(p, default_model)
+    add_flag(p, "--gateway", default="127.0.0.1:50051", help="gateway address to register with")
+    add_flag(p, "--transport", default="auto", choices=list(TRANSPORTS), help="KV transport")
+    add_flag(p, "--transfer-timeout-s", type=float, default=30.0, help="KV channel op timeout")
+    add_flag(p, "--fault-transfer-stall-s", type=float, default=0.0,
+             help="failure testing only: stall each KV send this long after announcing it")
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        server=server_config(args), engine=engine_config(args), gateway=args.gateway,
+        transport=args.transport, transfer_timeout_s=args.transfer_timeout_s,
+        fault_transfer_stall_s=args.fault_transfer_stall_s,
+    )
+
+
+def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
+    add_server_flags(p, default_port=50051)
+    add_flag(p, "--model", default=default_model, help="checkpoint directory (tokenizer, limits)")
+    add_flag(p, "--max-model-len", type=int, default=None, help="cap on prompt + output")
+    add_flag(p, "--local-prefill-max-tokens", type=int, default=32,
+             help="prompts shorter than this prefill on the decode worker")
+    add_flag(p, "--heartbeat-period-ms", type=int, default=500, help="worker heartbeat period")
+    add_flag(p, "--heartbeat-miss-count", type=int, default=3, help="missed beats before a worker is dropped")
+    add_flag(p, "--max-in-flight", type=int, default=256, help="concurrent requests before RESOURCE_EXHAUSTED")
+    add_flag(p, "--reservation-wait-ms", type=int, default=5000, help="wait for decode KV blocks")
+    add_flag(p, "--lease-ms", type=int, default=15000, help="decode reservation lease")
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        server=server_config(args), model=args.model, max_model_len=args.max_model_len,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        heartbeat_period_ms=args.heartbeat_period_ms, heartbeat_miss_count=args.heartbeat_miss_count,
+        max_in_flight=args.max_in_flight, reservation_wait_ms=args.reservation_wait_ms,
+        lease_ms=args.lease_ms,
+    )

@@ -1,0 +1,91 @@
+"""Protobuf ⇄ plain dataclasses, in one place (the engine never imports ``_pb2`` modules)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from engine.kv_layout import KVLayout
+from engine.sampling_params import SamplingParams
+from splitserve.v1 import common_pb2
+
+# Engine field name -> the request field a client set, for error messages.
+_FIELD_NAMES = {
+    "max_tokens": "stopping.max_new_tokens",
+    "min_tokens": "stopping.min_new_tokens",
+    "stop_token_ids": "stopping.stop_token_ids",
+    "temperature": "sampling.temperature",
+    "top_k": "sampling.top_k",
+    "top_p": "sampling.top_p",
+    "min_p": "sampling.min_p",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "seed": "sampling.seed",
+    "logprobs": "sampling.logprobs",
+    "num_speculative_tokens": "sampling.num_speculative_tokens",
+}
+_FIELD_RE = re.compile(r"^(" + "|".join(_FIELD_NAMES) + r")\b")
+
+FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def _finite(value: float, name: str) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
+def sampling_params_from_proto(
+    sampling: common_pb2.SamplingParams,
+    stopping: common_pb2.StoppingCriteria,
+) -> SamplingParams:
+    """Build engine ``SamplingParams``; ``ValueError`` names the proto field."""
+    try:
+        return SamplingParams(
+            temperature=_finite(sampling.temperature, "temperature") if sampling.HasField("temperature") else 1.0,
+            top_p=_finite(sampling.top_p, "top_p") if sampling.HasField("top_p") else 1.0,
+            top_k=int(sampling.top_k) if sampling.top_k > 0 else -1,
+            min_p=_finite(sampling.min_p, "min_p") if sampling.HasField("min_p") else 0.0,
+            repetition_penalty=_finite(sampling.repetition_penalty, "repetition_penalty")
+            if sampling.HasField("repetition_penalty")
+            else 1.0,
+            seed=int(sampling.seed) if sampling.HasField("seed") else None,
+            logprobs=int(sampling.logprobs) if sampling.HasField("logprobs") else None,
+            num_speculative_tokens=int(sampling.num_speculative_tokens)
+            if sampling.HasField("num_speculative_tokens")
+            else None,
+            max_tokens=int(stopping.max_new_tokens),
+            min_tokens=int(stopping.min_new_tokens),
+            stop_token_ids=tuple(int(t) for t in stopping.stop_token_ids),
+            ignore_eos=bool(stopping.ignore_eos),
+        )
+    except ValueError as exc:
+        raise ValueError(_FIELD_RE.sub(lambda m: _FIELD_NAMES[m.group(1)], str(exc))) from None
+
+
+def token_logprob(
+    token_id: int, logprob: float | None, top: dict[int, float] | None = None
+) -> common_pb2.TokenLogprob:
+    msg = common_pb2.TokenLogprob(token_id=token_id, logprob=logprob if logprob is not None else 0.0)
+    if top:
+        msg.top_logprobs.update({int(k): float(v) for k, v in top.items()})
+    return msg
+
+
+def kv_layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+    )
+
+
+def kv_layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
+    """``ValueError`` (naming the field) when the peer sent an impossible layout."""
+    return KVLayout(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, msg.dtype)

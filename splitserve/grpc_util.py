@@ -1,0 +1,165 @@
+"""gRPC plumbing shared by the three services: errors → status codes, health, reflection.
+
+Servicers stay thin: they raise ``ServiceError`` (or let ``ValueError`` escape) and the one
+interceptor here turns that into a status. ``x-request-id`` metadata is bound into the
+structlog context for every call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.transport import TransportError, TransportUnavailable
+
+REQUEST_ID_KEY = "x-request-id"
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's default; larger requests get RESOURCE_EXHAUSTED
+
+log = structlog.get_logger()
+
+
+class ServiceError(Exception):
+    """An error with the status code the client should see."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Map an exception to (code, message)."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, TransportUnavailable):
+        return grpc.StatusCode.FAILED_PRECONDITION, f"KV transport unavailable here: {exc}"
+    if isinstance(exc, TransportError):
+        return grpc.StatusCode.UNAVAILABLE, f"KV transport: {exc}"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or ""
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def request_id_from(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY:
+            return str(value)
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    code, message = status_for(exc)
+    level = "error" if code == grpc.StatusCode.INTERNAL else "info"
+    getattr(log, level)("rpc.failed", method=method, code=code.name, error=message,
+                        exc_info=code == grpc.StatusCode.INTERNAL)
+    await context.abort(code, message)
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Binds ``request_id`` and maps exceptions raised by handlers to gRPC status codes."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(("/grpc.health", "/grpc.reflection")):
+            return handler
+        method = details.method
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                _bind(context, method)
+                try:
+                    return await inner(request, context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - this is the one mapping point
+                    await _abort(context, exc, method)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                _bind(context, method)
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await _abort(context, exc, method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+def _bind(context: grpc.aio.ServicerContext, method: str) -> None:
+    request_id = request_id_from(context)
+    if request_id is not None:
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+    structlog.contextvars.bind_contextvars(rpc=method.rsplit("/", 1)[-1])
+
+
+def make_server(options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Server:
+    """A ``grpc.aio`` server with the error interceptor and the message-size limit."""
+    return grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+            *options,
+        ],
+    )
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    """Register grpc.health.v1 (every service SERVING) and server reflection."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ["", *service_names]:
+        await servicer.set(name, status)
+
+
+def bind_port(server: grpc.aio.Server, host: str, port: int) -> str:
+    """Bind an insecure port (0: ephemeral); returns the ``host:port`` clients should use."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    return f"{host}:{bound}"
+
+
+def channel_options() -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.enable_retries", 0),
+    ]

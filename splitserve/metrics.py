@@ -1,0 +1,98 @@
+"""Prometheus metrics (``splitserve_*``), one registry per service process.
+
+Each service builds the metrics it owns and serves ``/metrics`` on its own port
+(``--metrics-port``; 0 picks a free port, -1 disables the endpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(0, 10))
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int | None:
+    """Start the /metrics endpoint; returns the bound port (None when disabled)."""
+    if port < 0:
+        return None
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return int(server.server_port)
+
+
+@dataclass
+class GatewayMetrics:
+    registry: CollectorRegistry
+    requests: Counter
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    in_flight: Gauge
+    workers: Gauge
+    retries: Counter
+
+    @classmethod
+    def create(cls) -> GatewayMetrics:
+        r = CollectorRegistry()
+        return cls(
+            registry=r,
+            requests=Counter("splitserve_requests", "Finished requests by outcome", ["outcome"], registry=r),
+            ttft=Histogram("splitserve_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r),
+            itl=Histogram("splitserve_inter_token_latency_seconds", "Gap between streamed tokens",
+                          buckets=_LATENCY_BUCKETS, registry=r),
+            e2e=Histogram("splitserve_e2e_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r),
+            in_flight=Gauge("splitserve_requests_in_flight", "Requests being served", registry=r),
+            workers=Gauge("splitserve_workers", "Live workers by role", ["role"], registry=r),
+            retries=Counter("splitserve_request_retries", "Requests re-routed before any token", registry=r),
+        )
+
+
+@dataclass
+class WorkerMetrics:
+    registry: CollectorRegistry
+    kv_blocks_used: Gauge
+    kv_blocks_free: Gauge
+    kv_blocks_in_transfer: Gauge
+    running: Gauge
+    waiting: Gauge
+    transfer_bytes: Counter
+    transfer_seconds: Histogram
+    transfers: Counter
+    prompt_tokens: Counter
+    generated_tokens: Counter
+    spec_drafts: Counter
+    spec_draft_tokens: Counter
+    spec_accepted_tokens: Counter
+
+    @classmethod
+    def create(cls, role: str) -> WorkerMetrics:
+        r = CollectorRegistry()
+        labels = {"role": role}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=r).labels(**labels)  # type: ignore[return-value]
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            c = Counter(name, doc, [*labels, *(extra or [])], registry=r)
+            return c if extra else c.labels(**labels)  # type: ignore[return-value]
+
+        return cls(
+            registry=r,
+            kv_blocks_used=gauge("splitserve_kv_blocks_used", "KV blocks owned by requests"),
+            kv_blocks_free=gauge("splitserve_kv_blocks_free", "KV blocks free or evictable"),
+            kv_blocks_in_transfer=gauge("splitserve_kv_blocks_in_transfer",
+                                        "KV blocks reserved for (decode) or held for (prefill) a transfer"),
+            running=gauge("splitserve_requests_running", "Requests in the running batch"),
+            waiting=gauge("splitserve_requests_waiting", "Requests waiting to be scheduled"),
+            transfer_bytes=counter("splitserve_kv_transfer_bytes", "KV bytes moved between workers"),
+            transfer_seconds=Histogram("splitserve_kv_transfer_seconds", "KV transfer latency per request",
+                                       ["role"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels),
+            transfers=counter("splitserve_kv_transfers", "KV transfers by outcome", ["outcome"]),
+            prompt_tokens=counter("splitserve_prompt_tokens", "Prompt tokens computed"),
+            generated_tokens=counter("splitserve_generated_tokens", "Tokens generated"),
+            spec_drafts=counter("splitserve_spec_decode_drafts", "Speculative proposals verified"),
+            spec_draft_tokens=counter("splitserve_spec_decode_draft_tokens", "Draft tokens verified"),
+            spec_accepted_tokens=counter("splitserve_spec_decode_accepted_tokens", "Draft tokens accepted"),
+        )

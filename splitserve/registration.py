@@ -1,0 +1,88 @@
+"""Worker side of the registry: register with the gateway, then heartbeat until stopped.
+
+A heartbeat the gateway answers with ``known=False`` (it restarted, or dropped us after
+missed beats) triggers a fresh registration. Failures are logged and retried each period;
+the worker keeps serving whatever it holds meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from splitserve.grpc_util import channel_options
+from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+log = structlog.get_logger()
+
+
+class RegistrationClient:
+    def __init__(
+        self,
+        gateway_address: str,
+        role: int,
+        address: str,
+        model: str,
+        kv_layout: common_pb2.KVLayout,
+        load: Callable[[], common_pb2.WorkerLoad],
+    ) -> None:
+        self._channel = grpc.aio.insecure_channel(gateway_address, options=channel_options())
+        self._stub = gateway_pb2_grpc.WorkerRegistryStub(self._channel)
+        self._role = role
+        self._address = address
+        self._model = model
+        self._layout = kv_layout
+        self._load = load
+        self.worker_id: int | None = None
+        self.period_s = 0.5
+        self.state = common_pb2.WORKER_STATE_SERVING
+        self._task: asyncio.Task[None] | None = None
+
+    async def register(self) -> int:
+        resp = await self._stub.RegisterWorker(
+            gateway_pb2.RegisterWorkerRequest(
+                role=self._role, address=self._address, model=self._model,
+                kv_layout=self._layout, load=self._load(),
+            ),
+            timeout=5.0,
+        )
+        self.worker_id = resp.worker_id
+        self.period_s = max(resp.heartbeat_period_ms, 10) / 1000.0
+        log.info("registry.registered", worker_id=self.worker_id, period_s=self.period_s)
+        return self.worker_id
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._beat_forever())
+
+    async def beat_once(self) -> None:
+        if self.worker_id is None:
+            await self.register()
+            return
+        resp = await self._stub.Heartbeat(
+            gateway_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load(), state=self.state),
+            timeout=max(self.period_s, 1.0),
+        )
+        if not resp.known:
+            log.warning("registry.forgotten", worker_id=self.worker_id)
+            self.worker_id = None
+            await self.register()
+
+    async def _beat_forever(self) -> None:
+        while True:
+            try:
+                await self.beat_once()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("registry.heartbeat_failed", code=exc.code().name, details=exc.details())
+            await asyncio.sleep(self.period_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self._channel.close()

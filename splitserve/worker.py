@@ -1,0 +1,150 @@
+"""What both workers share: the engine on its loop thread, per-request output queues, load
+reports, metrics, registration with the gateway, and the serve/drain lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from engine.engine import Engine
+from engine.engine_loop import EngineLoop
+from engine.outputs import RequestOutput
+from splitserve import grpc_util
+from splitserve.config import WorkerConfig
+from splitserve.convert import kv_layout_to_proto
+from splitserve.metrics import WorkerMetrics, serve_metrics
+from splitserve.registration import RegistrationClient
+from splitserve.v1 import common_pb2
+
+T = TypeVar("T")
+log = structlog.get_logger()
+
+
+class WorkerBase:
+    """Owns the engine loop; subclasses add the gRPC methods of their role."""
+
+    role: int = common_pb2.WORKER_ROLE_UNSPECIFIED
+    role_name = "worker"
+
+    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.metrics = WorkerMetrics.create(self.role_name)
+        self.aio_loop = asyncio.get_running_loop()
+        self.queues: dict[str, asyncio.Queue[Any]] = {}
+        self.loop = EngineLoop(engine, self._on_outputs_threadsafe, on_tick=self.on_tick)
+        self.registration: RegistrationClient | None = None
+        self.num_in_transfer_blocks = 0  # engine thread writes, others read (an int: atomic)
+
+    # -- engine thread -> event loop -------------------------------------------------
+    def _on_outputs_threadsafe(self, outputs: list[RequestOutput]) -> None:
+        self.aio_loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.metrics.generated_tokens.inc(len(out.new_token_ids))
+            queue = self.queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def push_threadsafe(self, request_id: str, item: Any) -> None:
+        """Hand ``item`` (an output or an exception) to a request's stream from any thread."""
+        def put() -> None:
+            queue = self.queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(item)
+
+        self.aio_loop.call_soon_threadsafe(put)
+
+    def on_tick(self, engine: Engine) -> None:
+        """Engine-thread housekeeping between steps (leases); default none."""
+
+    async def run(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread and await its result."""
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+    # -- load -------------------------------------------------------------------------
+    def _load_now(self, engine: Engine) -> common_pb2.WorkerLoad:
+        sched = engine.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        queued += sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running
+        )
+        total = engine.kv.num_blocks
+        free = engine.num_free_blocks
+        load = common_pb2.WorkerLoad(
+            kv_blocks_total=total, kv_blocks_free=free,
+            kv_blocks_in_transfer=self.num_in_transfer_blocks,
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_queued_prefill_tokens=queued,
+        )
+        self.metrics.kv_blocks_free.set(free)
+        self.metrics.kv_blocks_used.set(total - free)
+        self.metrics.kv_blocks_in_transfer.set(self.num_in_transfer_blocks)
+        self.metrics.running.set(len(sched.running))
+        self.metrics.waiting.set(len(sched.waiting))
+        return load
+
+    def load_snapshot(self) -> common_pb2.WorkerLoad:
+        """Approximate load read from the event loop (for heartbeats; racy reads of ints)."""
+        return self._load_now(self.engine)
+
+    async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> common_pb2.WorkerLoad:
+        """Exact load, read on the engine thread between steps."""
+        return await self.run(self._load_now)
+
+
+async def serve_worker(
+    config: WorkerConfig,
+    make_worker: Callable[[WorkerConfig, Engine], WorkerBase],
+    add_to_server: Callable[[Any, grpc.aio.Server], None],
+    service_name: str,
+) -> None:
+    """Build the engine, serve until SIGTERM/SIGINT, then drain and exit."""
+    engine = Engine(config.engine)
+    worker = make_worker(config, engine)
+    worker.loop.start()
+    server = grpc_util.make_server()
+    add_to_server(worker, server)
+    health = grpc_util.add_health_and_reflection(server, [service_name])
+    address = grpc_util.bind_port(server, config.server.host, config.server.port)
+    public = f"{config.server.public_host}:{address.rsplit(':', 1)[1]}"
+    await server.start()
+    metrics_port = serve_metrics(worker.metrics.registry, config.server.host, config.server.metrics_port)
+    await grpc_util.set_serving(health, [service_name], True)
+    worker.registration = RegistrationClient(
+        config.gateway, worker.role, public, Path(config.engine.model).name,
+        kv_layout_to_proto(engine.kv_layout), worker.load_snapshot,
+    )
+    worker.registration.start()
+    log.info("worker.serving", role=worker.role_name, address=public, metrics_port=metrics_port,
+             kv_blocks=engine.kv.num_blocks)
+    if config.server.ready_file:
+        Path(config.server.ready_file).write_text(public)
+    await wait_for_signal()
+    log.info("worker.draining", role=worker.role_name)
+    await grpc_util.set_serving(health, [service_name], False)
+    worker.registration.state = common_pb2.WORKER_STATE_DRAINING
+    try:
+        await worker.registration.beat_once()
+    except grpc.aio.AioRpcError:
+        pass
+    await server.stop(config.server.drain_timeout_s)
+    await worker.registration.stop()
+    worker.loop.stop()
+    log.info("worker.stopped", role=worker.role_name)
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

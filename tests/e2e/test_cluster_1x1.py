@@ -1,0 +1,213 @@
+"""End to end through real processes: gateway + 1 prefill + 1 decode worker on 127.0.0.1."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from engine import Engine, EngineConfig, SamplingParams
+from splitserve.client import make_request
+from splitserve.cluster import Cluster
+from splitserve.grpc_util import channel_options
+from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, kv_transfer_pb2
+from tests.e2e.cluster_util import (
+    MODEL, code_prompts, greedy_requests, idle, stream, stream_many, wait_all_free, worker_stats,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_1x1")]
+
+LENGTHS = [1, 3, 7, 15, 16, 17, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 80, 96, 100, 127, 128, 129,
+           150, 160, 175, 192, 200, 223, 240, 256, 280, 300]
+MAX_TOKENS = [8 + (7 * i) % 41 for i in range(len(LENGTHS))]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    logs = tmp_path_factory.mktemp("logs-1x1")
+    with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(logs),
+                 gateway_flags=["--local-prefill-max-tokens", "32"]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts and the in-process Engine's greedy outputs for them."""
+    engine = Engine(EngineConfig(model=MODEL, num_threads=1))
+    prompts = code_prompts(engine.tokenizer, LENGTHS)
+    outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS])
+    return prompts, [o.token_ids for o in outs]
+
+
+def test_health_serving_and_reflection_on_every_server(cluster: Cluster) -> None:
+    expected = {
+        "gateway": {"splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"},
+        "prefill-0": {"splitserve.v1.PrefillWorker"},
+        "decode-0": {"splitserve.v1.DecodeWorker"},
+    }
+    for name, services in expected.items():
+        with grpc.insecure_channel(cluster.addresses[name]) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            listed = {s.name for r in responses for s in r.list_services_response.service}
+            assert services | {"grpc.health.v1.Health"} <= listed, name
+
+
+def test_32_concurrent_greedy_requests_match_the_in_process_engine(cluster: Cluster, reference) -> None:  # noqa: ANN001
+    prompts, expected = reference
+    results = stream_many(cluster.addresses["gateway"], greedy_requests(prompts, MAX_TOKENS))
+    for i, (res, want) in enumerate(zip(results, expected)):
+        assert res.error is None, (i, res.error, res.details)
+        assert res.token_ids == want, f"request {i} (prompt {LENGTHS[i]} tokens) diverged"
+        assert res.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
+        assert res.timings.total_us >= res.timings.first_token_us > 0
+        if LENGTHS[i] >= 32:  # remote prefill: pages were shipped
+            assert res.timings.transfer_bytes > 0
+        else:
+            assert res.timings.transfer_bytes == 0
+    stats = wait_all_free(cluster.addresses["gateway"])
+    assert all(idle(s) for s in stats.values()), stats
+
+
+def test_streamed_text_is_the_incremental_detokenization(cluster: Cluster) -> None:
+    res = stream(cluster.addresses["gateway"], make_request("def parse(self, text):\n", 40))
+    assert res.error is None and res.chunks >= 2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    prompt = tok.encode("def parse(self, text):\n")
+    full = tok.decode(prompt + res.token_ids, skip_special_tokens=True)
+    assert res.text == full[len(tok.decode(prompt, skip_special_tokens=True)):]
+
+
+def test_stop_string_ends_the_request_and_frees_both_workers(cluster: Cluster) -> None:
+    gw = cluster.addresses["gateway"]
+    free_run = stream(gw, make_request("class Parser:\n    def __init__(self", 60, ignore_eos=True))
+    assert free_run.error is None and len(free_run.text) > 10
+    stop = free_run.text[5:8]
+    res = stream(gw, make_request("class Parser:\n    def __init__(self", 60, stop=[stop], ignore_eos=True))
+    assert res.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert res.text == free_run.text[: free_run.text.index(stop)]
+    assert all(idle(s) for s in wait_all_free(gw).values())
+
+
+BAD_REQUESTS = [
+    ("empty prompt", make_request("", 8), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ("token out of vocabulary", make_request([1, 99999], 8), grpc.StatusCode.INVALID_ARGUMENT, "prompt.token_ids"),
+    ("prompt too long", make_request([5] * 600, 8), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+    ("max_tokens 0", make_request([5, 6], 0), grpc.StatusCode.INVALID_ARGUMENT, "stopping.max_new_tokens"),
+    ("huge max_tokens", make_request([5, 6], 2**31), grpc.StatusCode.INVALID_ARGUMENT, "stopping.max_new_tokens"),
+    ("negative temperature", make_request([5, 6], 8, temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling.temperature"),
+    ("top_p out of range", make_request([5, 6], 8, top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+    ("too many stop strings", make_request([5, 6], 8, stop=[str(i) for i in range(20)]),
+     grpc.StatusCode.INVALID_ARGUMENT, "stopping.stop_strings"),
+    ("10 MB prompt", make_request("x" * (10 * 1024 * 1024), 8), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+]
+
+
+def _unknown_field_request() -> bytes:
+    return make_request([5, 6, 7], 4).SerializeToString() + bytes([0xF8, 0x06, 0x01])
+
+
+def test_bad_requests_get_the_documented_status_and_the_service_keeps_serving(cluster: Cluster) -> None:
+    gw = cluster.addresses["gateway"]
+    for name, request, code, field in BAD_REQUESTS:
+        res = stream(gw, request, timeout=30)
+        assert res.error == code, (name, res.error, res.details)
+        assert field in res.details, (name, res.details)
+    with grpc.insecure_channel(gw, options=channel_options()) as channel:
+        raw = channel.unary_stream("/splitserve.v1.Gateway/Generate", request_serializer=None,
+                                   response_deserializer=gateway_pb2.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(_unknown_field_request(), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown field" in info.value.details()
+    ok = stream(gw, make_request([5, 6, 7, 8], 4))
+    assert ok.error is None and len(ok.token_ids) >= 1
+    assert all(idle(s) for s in wait_all_free(gw).values())
+
+
+def test_client_cancel_mid_stream_frees_both_workers_within_2s(cluster: Cluster) -> None:
+    gw = cluster.addresses["gateway"]
+    prompt = list(range(100, 164))  # 64 tokens: remote prefill
+    with grpc.insecure_channel(gw, options=channel_options()) as channel:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(make_request(prompt, 400, ignore_eos=True), timeout=60)
+        for i, _chunk in enumerate(call):
+            if i == 3:
+                break
+        busy = worker_stats(gw)
+        assert any(not idle(s) for s in busy.values())
+        call.cancel()
+    stats = wait_all_free(gw, within_s=2.0)
+    assert all(idle(s) for s in stats.values()), stats
+
+
+def test_expired_deadline_frees_both_workers_within_2s(cluster: Cluster) -> None:
+    gw = cluster.addresses["gateway"]
+    res = stream(gw, make_request(list(range(200, 300)), 400, ignore_eos=True), timeout=0.5)
+    assert res.error == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = wait_all_free(gw, within_s=2.0)
+    assert all(idle(s) for s in stats.values()), stats
+
+
+def test_kv_handshake_refuses_a_layout_mismatch_and_nccl_without_a_gpu(cluster: Cluster) -> None:
+    from engine.transport.nccl import NcclLibrary
+
+    with grpc.insecure_channel(cluster.addresses["decode-0"]) as channel:
+        stub = decode_pb2_grpc.DecodeWorkerStub(channel)
+        bad = kv_transfer_pb2.KVChannelHandshake(
+            transport=kv_transfer_pb2.TRANSPORT_KIND_GLOO,
+            kv_layout=common_pb2.KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=8, dtype="bfloat16"),
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.OpenKVChannel(bad, timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "block_size" in info.value.details() and "dtype" in info.value.details()
+
+        good_layout = worker_layout(cluster)
+        nccl = kv_transfer_pb2.KVChannelHandshake(
+            transport=kv_transfer_pb2.TRANSPORT_KIND_NCCL, kv_layout=good_layout,
+            nccl_unique_id=NcclLibrary().get_unique_id(), timeout_ms=2000,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.OpenKVChannel(nccl, timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "CUDA" in info.value.details()
+    ok = stream(cluster.addresses["gateway"], make_request(list(range(300, 340)), 4))
+    assert ok.error is None  # the decode worker still serves
+
+
+def worker_layout(cluster: Cluster) -> common_pb2.KVLayout:
+    engine_cfg = EngineConfig(model=MODEL)
+    from engine.models.loader import load_hf_config, model_spec_from_config
+
+    spec = model_spec_from_config(load_hf_config(MODEL))
+    return common_pb2.KVLayout(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                               head_dim=spec.head_dim, block_size=engine_cfg.block_size, dtype="float32")
+
+
+def test_get_info_lists_the_workers(cluster: Cluster) -> None:
+    with grpc.insecure_channel(cluster.addresses["gateway"]) as channel:
+        info = gateway_pb2_grpc.GatewayStub(channel).GetInfo(gateway_pb2.GetInfoRequest(), timeout=5)
+    assert info.model == "target" and info.vocab_size == 4096 and info.max_model_len == 512
+    roles = sorted(w.role for w in info.workers)
+    assert roles == [common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE]
+    assert {w.address for w in info.workers} == {cluster.addresses["prefill-0"], cluster.addresses["decode-0"]}
+    assert all(w.load.kv_blocks_total > 0 for w in info.workers)
+
+
+def test_sigterm_drains_and_every_process_exits_cleanly(tmp_path) -> None:  # noqa: ANN001
+    cluster = Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(tmp_path))
+    cluster.start()
+    try:
+        res = stream(cluster.addresses["gateway"], make_request("import os\n", 8))
+        assert res.error is None
+    finally:
+        codes = cluster.stop(grace_s=20)
+    assert codes == {"prefill-0": 0, "decode-0": 0, "gateway": 0}, codes
+    for name in codes:
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "draining" in log and "stopped" in log, name

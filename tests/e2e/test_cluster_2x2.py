@@ -1,0 +1,82 @@
+"""End to end with 2 prefill + 2 decode workers: parity, and kill -9 of a decode worker."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import time
+
+import grpc
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from splitserve.client import make_request
+from splitserve.cluster import Cluster
+from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.e2e.cluster_util import MODEL, code_prompts, greedy_requests, idle, stream, stream_many, wait_all_free
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_2x2")]
+
+LENGTHS = [2, 9, 20, 33, 40, 48, 50, 64, 70, 90, 110, 128, 130, 140, 160, 170,
+           180, 190, 200, 210, 220, 230, 240, 250, 256, 260, 270, 280, 290, 295, 299, 300]
+MAX_TOKENS = [10 + (11 * i) % 37 for i in range(len(LENGTHS))]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    logs = tmp_path_factory.mktemp("logs-2x2")
+    with Cluster(MODEL, num_prefill=2, num_decode=2, log_dir=str(logs),
+                 gateway_flags=["--heartbeat-period-ms", "200", "--heartbeat-miss-count", "3"]) as c:
+        yield c
+
+
+def test_32_concurrent_greedy_requests_match_the_in_process_engine(cluster: Cluster) -> None:
+    engine = Engine(EngineConfig(model=MODEL, num_threads=1))
+    prompts = code_prompts(engine.tokenizer, LENGTHS)
+    expected = [o.token_ids for o in engine.generate(
+        prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS])]
+    results = stream_many(cluster.addresses["gateway"], greedy_requests(prompts, MAX_TOKENS))
+    for i, (res, want) in enumerate(zip(results, expected)):
+        assert res.error is None, (i, res.error, res.details)
+        assert res.token_ids == want, f"request {i} (prompt {LENGTHS[i]} tokens) diverged"
+    stats = wait_all_free(cluster.addresses["gateway"])
+    assert len(stats) == 4 and all(idle(s) for s in stats.values()), stats
+
+
+def test_kill_9_of_a_decode_worker_mid_stream(cluster: Cluster) -> None:
+    """Streams on the killed worker end with UNAVAILABLE well inside their deadline; the
+    others finish; new requests go to the surviving decode worker."""
+    gw = cluster.addresses["gateway"]
+    deadline_s = 60.0
+    requests = [make_request(list(range(50 + i, 90 + i)), 300, ignore_eos=True) for i in range(6)]
+    with cf.ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(stream, gw, r, deadline_s) for r in requests]
+        time.sleep(1.0)  # all streams are running by now
+        victim = cluster.procs["decode-0"]
+        started = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        results = [f.result() for f in futures]
+        elapsed = time.monotonic() - started
+    failed = [r for r in results if r.error is not None]
+    assert failed, "no stream was on the killed worker"
+    assert all(r.error == grpc.StatusCode.UNAVAILABLE for r in failed), [(r.error, r.details) for r in failed]
+    assert all(r.token_ids for r in failed)  # they had streamed tokens before the kill
+    assert elapsed < deadline_s
+    for r in results:
+        if r.error is None:
+            assert len(r.token_ids) == 300
+    # New requests: all served by the survivor.
+    after = stream_many(gw, [make_request(list(range(10 + i, 60 + i)), 12) for i in range(8)])
+    assert all(r.error is None and len(r.token_ids) >= 1 for r in after), [(r.error, r.details) for r in after]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with grpc.insecure_channel(gw) as channel:
+            info = gateway_pb2_grpc.GatewayStub(channel).GetInfo(gateway_pb2.GetInfoRequest(), timeout=5)
+        decode = [w for w in info.workers if w.role == common_pb2.WORKER_ROLE_DECODE]
+        if len(decode) == 1:
+            break
+        time.sleep(0.1)
+    assert [w.address for w in decode] == [cluster.addresses["decode-1"]]
+    stats = wait_all_free(gw)
+    assert all(idle(s) for s in stats.values()), stats

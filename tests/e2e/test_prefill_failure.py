@@ -1,0 +1,84 @@
+"""kill -9 of a prefill worker mid-transfer; leases on the decode worker.
+
+The prefill workers here stall 2 s between announcing a transfer and sending it (a fault
+injection flag), and the gateway asks for 1 s leases, so every remote prefill is caught
+"mid-transfer" and every decode reservation runs out its lease.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from splitserve.client import make_request
+from splitserve.cluster import Cluster
+from tests.e2e.cluster_util import MODEL, idle, stream, wait_all_free, worker_stats
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_faults")]
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    from engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=MODEL, num_threads=1))
+    return engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    logs = tmp_path_factory.mktemp("logs-faults")
+    with Cluster(MODEL, num_prefill=2, num_decode=1, log_dir=str(logs),
+                 gateway_flags=["--lease-ms", "1000", "--local-prefill-max-tokens", "16"],
+                 prefill_flags=["--fault-transfer-stall-s", "2.0", "--transfer-timeout-s", "5"],
+                 decode_flags=["--transfer-timeout-s", "5"]) as c:
+        yield c
+
+
+def test_kill_9_of_the_prefill_worker_mid_transfer(cluster: Cluster) -> None:
+    gw = cluster.addresses["gateway"]
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=stream(gw, make_request(list(range(40, 104)), 8), 30)))
+    t.start()
+    # Find the prefill worker holding packed pages (announced, stalled before the send).
+    holder = None
+    deadline = time.monotonic() + 10
+    while holder is None and time.monotonic() < deadline:
+        for address, load in worker_stats(gw).items():
+            if load.kv_blocks_in_transfer > 0 and address in (cluster.addresses["prefill-0"], cluster.addresses["prefill-1"]):
+                holder = address
+        time.sleep(0.02)
+    assert holder is not None, "the transfer was never caught in flight"
+    name = next(n for n, a in cluster.addresses.items() if a == holder)
+    cluster.procs[name].send_signal(signal.SIGKILL)
+    cluster.procs[name].wait()
+    t.join(60)
+    res = result["r"]
+    # Retried on the other prefill worker (which stalls past the 1 s lease too), then, with
+    # no prefill worker left to try, prefilled on the decode worker itself: the right
+    # tokens, or a clean UNAVAILABLE; never a hang or garbage.
+    if res.error is None:
+        assert res.token_ids == reference(list(range(40, 104)), 8)
+    else:
+        assert res.error == grpc.StatusCode.UNAVAILABLE and res.token_ids == [], (res.error, res.details)
+    stats = wait_all_free(gw, within_s=5.0)
+    assert all(idle(s) for s in stats.values()), stats
+
+
+def test_leases_expire_and_short_prompts_still_work(cluster: Cluster) -> None:
+    gw = cluster.addresses["gateway"]
+    log_path = cluster.log_dir / "decode-0.log"
+    before = log_path.read_text().count("lease expired")
+    res = stream(gw, make_request(list(range(40, 80)), 8), 30)
+    if res.error is None:  # every prefill worker failed its lease; the decode worker prefilled
+        assert res.token_ids == reference(list(range(40, 80)), 8)
+    else:
+        assert res.error == grpc.StatusCode.UNAVAILABLE, res.details
+    assert log_path.read_text().count("lease expired") > before  # the decode worker freed a reservation
+    short = stream(gw, make_request([5, 6, 7, 8, 9], 6), 30)  # prefilled on the decode worker
+    assert short.error is None and len(short.token_ids) >= 1
+    stats = wait_all_free(gw, within_s=5.0)
+    assert all(idle(s) for s in stats.values()), stats

@@ -18,22 +18,27 @@ ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def tiny_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("bench-tiny")
+def run_tiny(out: Path) -> tuple[dict, subprocess.CompletedProcess]:
     cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--profile", "tiny", "--out", str(out),
            "--no-progress", "--peers", "engine,hf_generate,vllm_cpu,disaggregated,colocated",
            "--vllm-python", str(out / "no-such-venv" / "python"), "--threads", "2"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
-    return out, report, proc
+    return report, proc
 
 
 @pytest.mark.slow
-def test_tiny_profile_writes_a_complete_report(tiny_report) -> None:
-    out, report, proc = tiny_report
+def test_tiny_profile_report(tmp_path: Path) -> None:
+    """One test (one run of the profile, also under pytest-xdist), three groups of checks."""
+    report, proc = run_tiny(tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    check_structure(report)
+    check_sections(report)
+    check_markdown_and_plots(tmp_path, report)
+
+
+def check_structure(report: dict) -> None:
     for key in ("schema", "machine", "config", "online", "cost", "peers", "interference", "goals", "plots"):
         assert key in report, key
     assert report["failures"] == []
@@ -43,9 +48,7 @@ def test_tiny_profile_writes_a_complete_report(tiny_report) -> None:
     assert report["machine"]["cpu_count"] >= 1
 
 
-@pytest.mark.slow
-def test_tiny_profile_sections_hold_every_figure(tiny_report) -> None:
-    _, report, _ = tiny_report
+def check_sections(report: dict) -> None:
     runs = report["online"]["runs"]
     assert [r["name"] for r in runs] == ["capacity", "sweep-0", "sweep-1", "long_mix"]
     for run in runs:
@@ -74,9 +77,7 @@ def test_tiny_profile_sections_hold_every_figure(tiny_report) -> None:
     assert is_skipped(goals["engine_vs_vllm_cpu"]["figures"]["measured"])
 
 
-@pytest.mark.slow
-def test_tiny_profile_writes_markdown_and_plots(tiny_report) -> None:
-    out, report, _ = tiny_report
+def check_markdown_and_plots(out: Path, report: dict) -> None:
     md = (out / "report.md").read_text()
     for heading in ("## Goals", "## Online load", "## Cost", "## Peers", "## Disaggregation vs colocation"):
         assert heading in md

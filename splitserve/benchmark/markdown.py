@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from splitserve.benchmark.report import is_skipped
 
 
@@ -32,11 +34,20 @@ def _plan(plan: dict) -> str:
     return f"closed, {plan['concurrency']} clients" if plan["mode"] == "closed" else f"open, {plan['rate_rps']:.3g} req/s"
 
 
+def deployment_md(d: dict) -> str:
+    """One line for a deployment description (``DeploymentSpec.describe()`` or external)."""
+    if d.get("mode") == "external":
+        return f"the running deployment at `{d['gateway']}`"
+    threads = " + ".join(f"{role} worker ({n} thread{'s' if n > 1 else ''})" for role, n in d["threads"].items())
+    flags = " ".join(d.get("worker_flags", []))
+    return f"{d['mode']}, model `{Path(d['model']).name}`: gateway + {threads}" + (f"; worker flags `{flags}`" if flags else "")
+
+
 def online_md(section: dict) -> str:
     if is_skipped(section):
         return f"Skipped: {section['skipped']}\n"
     slo = section["slo"]
-    out = [f"Deployment: `{section['deployment']}`. SLOs for goodput: TTFT ≤ {slo['ttft_ms']:g} ms, "
+    out = [f"Deployment: {deployment_md(section['deployment'])}. SLOs for goodput: TTFT ≤ {slo['ttft_ms']:g} ms, "
            f"TPOT ≤ {slo['tpot_ms']:g} ms. Sweep: {section['sweep']}.\n\n"]
     rows = []
     for run in section["runs"]:

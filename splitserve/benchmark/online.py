@@ -88,7 +88,8 @@ async def _measure(address: str, requests: Sequence[RequestSpec], plan: LoadPlan
 
 
 def request_rows(records: Sequence[RequestRecord], t0: float) -> list[dict]:
-    """Per-request raw data (times relative to the run's first send, in seconds)."""
+    """Per-request raw data, in seconds: ``send_s``/``end_s`` from ``t0`` (the run's first send),
+    ``chunk_times_s`` from the request's own send."""
     rows = []
     for r in records:
         row = {"index": r.index, "kind": r.kind, "num_prompt_tokens": r.num_prompt_tokens,

@@ -149,24 +149,30 @@ def interference_cdf(report: dict, path: Path) -> bool:
 
 
 def kv_utilisation(report: dict, path: Path) -> bool:
+    """One small panel per online run: every worker's used KV fraction over the run."""
     online = report.get("online")
     if not isinstance(online, dict) or is_skipped(online):
         return False
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 4))
-    drawn = False
-    for run in online["runs"]:
-        for worker in sorted({s["worker"] for s in run["kv_timeline"]}):
-            pts = [(s["t_s"], s["kv_used_fraction"]) for s in run["kv_timeline"] if s["worker"] == worker]
-            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], label=f"{run['name']} {worker}", linewidth=1)
-            drawn = True
-    if not drawn:
-        plt.close(fig)
+    runs = [r for r in online["runs"] if r["kv_timeline"]]
+    if not runs:
         return False
-    ax.set_xlabel("seconds since the run's first request")
-    ax.set_ylabel("KV blocks in use (%)")
-    ax.legend(fontsize=6, ncol=2)
-    ax.grid(alpha=0.3)
+    plt = _pyplot()
+    ncols = 2
+    nrows = -(-len(runs) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(11, 2.4 * nrows), sharey=True, squeeze=False)
+    for ax, run in zip(axes.flat, runs):
+        for worker in sorted({s["worker"] for s in run["kv_timeline"]}):
+            pts = [(s["t_s"], 100 * s["kv_used_fraction"]) for s in run["kv_timeline"] if s["worker"] == worker]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=worker, linewidth=1)
+        ax.set_title(f"{run['name']} ({run['workload']})", fontsize=9)
+        ax.set_ylabel("KV in use (%)", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(runs):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("seconds since the run's first request", fontsize=8)
+    fig.suptitle("KV-cache utilisation over time")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

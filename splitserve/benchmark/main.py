@@ -94,7 +94,7 @@ def peers_section(config: BenchConfig, pool: DeploymentPool) -> dict:
         flags = ("--num-kv-blocks", str(s.num_kv_blocks), "--max-num-seqs", str(s.max_num_seqs),
                  "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-model-len", str(s.max_model_len))
 
-    def spec(mode: str, _setup: object) -> DeploymentSpec:
+    def spec(mode: str) -> DeploymentSpec:
         return deployment_spec(config, mode, setup.model_dir, flags)
 
     return peers.run_peers(config.profile.peers, setup, pool, spec, config.threads, config.vllm_python,

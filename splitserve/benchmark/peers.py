@@ -108,7 +108,9 @@ def prepare(profile: PeersProfile, bundled_model: Path, seed: int) -> PeersSetup
                                seed=seed, model=shape)
     prompts = workload_mod.make_prompts(wl)
     settings = systems.EngineSettings.for_workload(wl)
-    description = {"name": name, "model_dir": str(model_dir), **wl.to_dict(),
+    fields = {k: v for k, v in wl.to_dict().items() if k != "model" or profile.engine_workload}
+    description = {"name": name, "model_dir": str(model_dir), **fields,
+                   "num_parameters": workload_mod.count_parameters(model_dir),
                    "prompt_lens": [len(p) for p in prompts], "decoding": "greedy, ignore_eos",
                    "engine_settings": vars(settings)}
     return PeersSetup(model_dir, prompts, wl.output_len, wl, settings, description)
@@ -223,7 +225,7 @@ def peer_row(result: PeerResult, engine_tps: float | None, reference: PeerResult
 
 
 def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
-              deployment: Callable[[str, PeersSetup], DeploymentSpec], threads: int,
+              deployment: Callable[[str], DeploymentSpec], threads: int,
               vllm_python: str | None, log_dir: Path, progress: Callable[[str], None]) -> dict:
     """Every system of the profile, one after another; the peers section of the report."""
     import torch
@@ -239,7 +241,7 @@ def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
             elif system == "vllm_cpu":
                 results[system] = run_vllm(setup, vllm_python, threads, log_dir / "vllm.log")
             else:  # the last section: nothing needs the deployment afterwards
-                spec = deployment(system, setup)
+                spec = deployment(system)
                 results[system] = run_deployment(spec, pool, setup)
                 pool.release(spec)
         except Exception as exc:  # one system's failure is its row, not the section's end

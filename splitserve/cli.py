@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_flag(up, "--metrics-port", type=int, default=-1,
                  help="gateway metrics port; workers use the following ports (-1 off)")
     cfg.add_flag(up, "--log-level", default="info", help="debug|info|warning|error")
+    cfg.add_flag(up, "--local-prefill-max-tokens", type=int, default=32,
+                 help="gateway: prompts shorter than this prefill on the decode worker (0: never)")
     cfg.add_flag(up, "--log-dir", default=None, help="write each service's log here (default: inherit stderr)")
     up.add_argument("service_args", nargs=argparse.REMAINDER,
                     help="after --: extra flags for every worker (e.g. -- --speculative ngram)")

@@ -28,7 +28,8 @@ run: $(STAMP)
 	@mkdir -p .cache/logs
 	@$(VENV)/bin/splitserve up --port $(PORT) --local-prefill-max-tokens 0 --log-dir .cache/logs \
 		2> .cache/logs/up.log & up=$$!; \
-	$(VENV)/bin/splitserve generate --gateway 127.0.0.1:$(PORT) "def fibonacci(n):" --max-tokens 64; \
+	$(VENV)/bin/splitserve generate --gateway 127.0.0.1:$(PORT) --min-prefill-workers 1 \
+		"def fibonacci(n):" --max-tokens 64; \
 	rc=$$?; kill -TERM $$up; wait $$up; tail -n 1 .cache/logs/up.log; exit $$rc
 
 test: $(STAMP)

@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--wait-s", type=float, default=60.0,
                      help="wait this long for the gateway and a decode worker to be up")
     gen.add_argument("--timeout-s", type=float, default=120.0, help="request deadline")
+    gen.add_argument("--min-prefill-workers", type=int, default=0,
+                     help="also wait until this many prefill workers have registered")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -123,6 +123,9 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
                     prefill_us = int((time.monotonic() - start) * 1e6)
                 if item.finished:
                     finished = True
+                    log.info("decode.done", finish_reason=item.finish_reason, num_tokens=len(item.token_ids),
+                             num_draft_tokens=item.num_draft_tokens, num_accepted_tokens=item.num_accepted_tokens,
+                             seconds=round(time.monotonic() - start, 6))
                     timings = common_pb2.PhaseTimings(
                         num_draft_tokens=item.num_draft_tokens,
                         num_accepted_tokens=item.num_accepted_tokens,
@@ -139,6 +142,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
         finally:
             self.queues.pop(rid, None)
             if not finished:
+                log.info("decode.stopped_early", request_id=rid)
                 self.loop.call(lambda e: self._forget(e, rid, "decode stream ended"))
 
     @staticmethod

@@ -28,7 +28,7 @@ from gateway.registry import Registry, WorkerEntry
 from gateway.text import TextStream
 from gateway.validation import Limits, ValidatedRequest, validate
 from splitserve.config import GatewayConfig
-from splitserve.grpc_util import REQUEST_ID_KEY, ServiceError
+from splitserve.grpc_util import REQUEST_ID_KEY, TRACEPARENT_KEY, ServiceError, metadata_value
 from splitserve.metrics import GatewayMetrics
 from splitserve.v1 import (
     common_pb2,
@@ -202,7 +202,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         prompt = req.prompt_token_ids
         has_prefill = self.registry.pick_prefill(excluded) is not None
         local = len(prompt) < self.config.local_prefill_max_tokens or not has_prefill
-        metadata = ((REQUEST_ID_KEY, str(rid)),)
+        metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, str(rid)),)
+        traceparent = metadata_value(context, TRACEPARENT_KEY)
+        if traceparent is not None:
+            metadata += ((TRACEPARENT_KEY, traceparent),)
         timeout = context.time_remaining()
         call = decode.stub.Decode(  # type: ignore[attr-defined]
             decode_pb2.DecodeRequest(

@@ -22,11 +22,15 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto)
 setup: $(STAMP)
 
 # Bring the local cluster up (gateway + 1 prefill + 1 decode process, logs in .cache/logs),
-# stream one completion through the gateway, then stop the cluster (SIGTERM: drain, exit).
+# stream one completion through the gateway (prefilled on the prefill worker, its KV pages
+# shipped to the decode worker over Gloo), then stop the cluster (SIGTERM: drain, exit).
 run: $(STAMP)
-	@$(VENV)/bin/splitserve up --port $(PORT) --log-dir .cache/logs & up=$$!; \
-	$(VENV)/bin/splitserve generate --gateway 127.0.0.1:$(PORT) "def fibonacci(n):" --max-tokens 64; \
-	rc=$$?; kill -TERM $$up; wait $$up; exit $$rc
+	@mkdir -p .cache/logs
+	@$(VENV)/bin/splitserve up --port $(PORT) --local-prefill-max-tokens 0 --log-dir .cache/logs \
+		2> .cache/logs/up.log & up=$$!; \
+	$(VENV)/bin/splitserve generate --gateway 127.0.0.1:$(PORT) --min-prefill-workers 1 \
+		"def fibonacci(n):" --max-tokens 64; \
+	rc=$$?; kill -TERM $$up; wait $$up; tail -n 1 .cache/logs/up.log; exit $$rc
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadgroup

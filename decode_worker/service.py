@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -65,6 +66,9 @@ class PendingKV:
     done: asyncio.Future[TransferState] = field(repr=False, default=None)  # type: ignore[assignment]
     header: kv_transfer_pb2.TransferHeader | None = None
     recv_started: float = 0.0
+    # Held while pages are written into block_ids (receiver thread) and while the blocks are
+    # freed (engine thread): a lease can never free blocks that are being written.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
@@ -119,6 +123,9 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
                     prefill_us = int((time.monotonic() - start) * 1e6)
                 if item.finished:
                     finished = True
+                    log.info("decode.done", finish_reason=item.finish_reason, num_tokens=len(item.token_ids),
+                             num_draft_tokens=item.num_draft_tokens, num_accepted_tokens=item.num_accepted_tokens,
+                             seconds=round(time.monotonic() - start, 6))
                     timings = common_pb2.PhaseTimings(
                         num_draft_tokens=item.num_draft_tokens,
                         num_accepted_tokens=item.num_accepted_tokens,
@@ -135,6 +142,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
         finally:
             self.queues.pop(rid, None)
             if not finished:
+                log.info("decode.stopped_early", request_id=rid)
                 self.loop.call(lambda e: self._forget(e, rid, "decode stream ended"))
 
     @staticmethod
@@ -200,10 +208,11 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
         engine.abort(rid)
 
     def _drop_pending(self, engine: Engine, transfer_id: int, reason: str) -> None:
-        """Engine thread: fail a reservation and free its blocks."""
+        """Engine thread: fail a reservation and free its blocks (after any page write ends)."""
         record = self.pending.pop(transfer_id)
-        record.transfer.fail(reason)
-        engine.cancel_reservation(record.request_id)
+        with record.lock:
+            record.transfer.fail(reason)
+            engine.cancel_reservation(record.request_id)
         self.num_in_transfer_blocks -= len(record.block_ids)
         self.metrics.transfers.labels(role=self.role_name, outcome="failed").inc()
         self._resolve(record)
@@ -222,7 +231,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
         """Engine thread: expire leases whose pages never arrived."""
         now = time.monotonic()
         for tid, record in list(self.pending.items()):
-            if now >= record.lease_deadline:
+            if now >= record.lease_deadline and record.transfer.state != TransferState.DONE:
                 self._drop_pending(engine, tid, "lease expired before the KV pages arrived")
                 self.push_threadsafe(record.request_id, ServiceError(
                     grpc.StatusCode.UNAVAILABLE, "KV pages did not arrive within the lease"))
@@ -289,18 +298,39 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
         record.recv_started = time.monotonic()
         future = channel.recv(staging)
         record.transfer.advance(TransferState.TRANSFERRING)
-        future.add_done_callback(
-            lambda f: self.loop.call(lambda e: self._admit(e, header.transfer_id, staging, f.exception()))
-        )
+        future.add_done_callback(lambda f: self._on_pages(record, staging, f.exception()))
         return kv_transfer_pb2.TransferAck()
 
-    def _admit(self, engine: Engine, transfer_id: int, staging: torch.Tensor,
-               error: BaseException | None) -> None:
-        """Engine thread: the receive finished; unpack and admit unless the lease already ended."""
-        record = self.pending.get(transfer_id)
-        if record is None or record.transfer.finished:
-            log.info("kv.late_pages_dropped", transfer_id=transfer_id)
-            return
+    def _on_pages(self, record: PendingKV, staging: torch.Tensor, error: BaseException | None) -> None:
+        """Receiver thread: write the pages into the reserved blocks (unless the lease already
+        ended), mark the transfer DONE, and queue the admission on the engine thread.
+
+        The blocks belong to this reservation until it is admitted or freed, and freeing takes
+        ``record.lock``, so writing them here, beside a running forward, is safe."""
+        with record.lock:
+            if record.transfer.finished:
+                log.info("kv.late_pages_dropped", transfer_id=record.transfer.transfer_id)
+                return
+            if error is None:
+                try:
+                    self.engine.runner.unpack_kv(record.block_ids, staging)
+                except Exception as exc:  # noqa: BLE001 - reported like a failed receive
+                    error = exc
+            if error is None:
+                record.transfer.advance(TransferState.DONE)
+        if error is None:
+            seconds = time.monotonic() - record.recv_started
+            self.metrics.transfer_bytes.inc(staging.numel() * staging.element_size())
+            self.metrics.transfer_seconds.observe(seconds)
+            self.metrics.transfers.labels(role=self.role_name, outcome="done").inc()
+            self._resolve(record)
+        self.loop.call(lambda e: self._admit(e, record, error))
+
+    def _admit(self, engine: Engine, record: PendingKV, error: BaseException | None) -> None:
+        """Engine thread: turn a DONE transfer's reservation into a running sequence."""
+        transfer_id = record.transfer.transfer_id
+        if self.pending.get(transfer_id) is not record:
+            return  # already freed (lease, cancel)
         rid = record.request_id
         if error is not None:
             self._drop_pending(engine, transfer_id, f"receive failed: {error}")
@@ -308,9 +338,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
             return
         header = record.header
         assert header is not None
+        first = header.first_logprob if header.HasField("first_logprob") else None
         try:
-            engine.unpack_kv(record.block_ids, staging)
-            first = header.first_logprob if header.HasField("first_logprob") else None
             engine.admit_prefilled(
                 rid, record.prompt_token_ids, header.first_token_id, record.params,
                 first_logprob=first.logprob if first is not None else None,
@@ -322,13 +351,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
             return
         del self.pending[transfer_id]
         self.num_in_transfer_blocks -= len(record.block_ids)
-        record.transfer.advance(TransferState.DONE)
-        seconds = time.monotonic() - record.recv_started
-        self.metrics.transfer_bytes.inc(staging.numel() * staging.element_size())
-        self.metrics.transfer_seconds.observe(seconds)
-        self.metrics.transfers.labels(role=self.role_name, outcome="done").inc()
-        self._resolve(record)
-        log.debug("kv.admitted", request_id=rid, num_blocks=len(record.block_ids), seconds=seconds)
+        log.debug("kv.admitted", request_id=rid, num_blocks=len(record.block_ids))
 
     async def AwaitTransfer(
         self, request: kv_transfer_pb2.AwaitTransferRequest, context: grpc.aio.ServicerContext

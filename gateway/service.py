@@ -28,7 +28,7 @@ from gateway.registry import Registry, WorkerEntry
 from gateway.text import TextStream
 from gateway.validation import Limits, ValidatedRequest, validate
 from splitserve.config import GatewayConfig
-from splitserve.grpc_util import REQUEST_ID_KEY, ServiceError
+from splitserve.grpc_util import REQUEST_ID_KEY, TRACEPARENT_KEY, ServiceError, metadata_value
 from splitserve.metrics import GatewayMetrics
 from splitserve.v1 import (
     common_pb2,
@@ -59,6 +59,10 @@ class LegFailed(Exception):
     @property
     def connection_lost(self) -> bool:
         return self.code == grpc.StatusCode.UNAVAILABLE and any(s in self.details for s in _CONNECTION_LOST)
+
+
+class NoWorker(Exception):
+    """No live worker of a needed role is left to try."""
 
 
 @dataclass
@@ -147,32 +151,46 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome=outcome).inc()
             self.metrics.e2e.observe(time.monotonic() - progress.start)
+            t = progress.timings or common_pb2.PhaseTimings()
             log.info("request.done", outcome=outcome, num_prompt_tokens=len(req.prompt_token_ids),
-                     num_tokens=progress.num_tokens, seconds=round(time.monotonic() - progress.start, 6))
+                     num_tokens=progress.num_tokens, seconds=round(time.monotonic() - progress.start, 6),
+                     ttft_s=round(progress.first_token_at - progress.start, 6) if progress.streamed else None,
+                     queue_us=t.queue_us, prefill_us=t.prefill_us, transfer_us=t.transfer_us,
+                     transfer_bytes=t.transfer_bytes)
 
     async def _with_retries(
         self, rid: int, request: gateway_pb2.GenerateRequest, req: ValidatedRequest,
         text: TextStream, progress: Progress, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         excluded: set[int] = set()
+        last: LegFailed | None = None
         for attempt in range(1, self.config.max_attempts + 1):
             try:
                 async for response in self._attempt(rid, request, req, text, progress, context, excluded):
                     yield response
                 return
+            except NoWorker as exc:
+                if last is None:
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                raise self._final_error(last) from None
             except LegFailed as exc:
+                last = exc
                 if exc.connection_lost:
                     self.registry.drop(exc.worker.worker_id, f"lost during a request: {exc.details}")
                 excluded.add(exc.worker.worker_id)
                 log.warning("request.leg_failed", attempt=attempt, worker_id=exc.worker.worker_id,
                             code=exc.code.name, details=exc.details, streamed=progress.streamed)
-                retry = not progress.streamed and exc.code in _RETRYABLE and attempt < self.config.max_attempts
-                if not retry:
-                    code = exc.code if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                    grpc.StatusCode.INVALID_ARGUMENT,
-                                                    grpc.StatusCode.DEADLINE_EXCEEDED) else grpc.StatusCode.UNAVAILABLE
-                    raise ServiceError(code, f"worker {exc.worker.address} failed: {exc.details}") from None
+                if progress.streamed or exc.code not in _RETRYABLE or attempt == self.config.max_attempts:
+                    raise self._final_error(exc) from None
                 self.metrics.retries.inc()
+
+    @staticmethod
+    def _final_error(exc: LegFailed) -> ServiceError:
+        """What the client sees when a leg failed and no retry is left."""
+        passthrough = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
+                       grpc.StatusCode.DEADLINE_EXCEEDED)
+        code = exc.code if exc.code in passthrough else grpc.StatusCode.UNAVAILABLE
+        return ServiceError(code, f"worker {exc.worker.address} failed: {exc.details}")
 
     async def _attempt(
         self, rid: int, request: gateway_pb2.GenerateRequest, req: ValidatedRequest, text: TextStream,
@@ -180,11 +198,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         decode = self.registry.pick_decode(excluded)
         if decode is None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
+            raise NoWorker("no live decode worker")
         prompt = req.prompt_token_ids
         has_prefill = self.registry.pick_prefill(excluded) is not None
         local = len(prompt) < self.config.local_prefill_max_tokens or not has_prefill
-        metadata = ((REQUEST_ID_KEY, str(rid)),)
+        metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, str(rid)),)
+        traceparent = metadata_value(context, TRACEPARENT_KEY)
+        if traceparent is not None:
+            metadata += ((TRACEPARENT_KEY, traceparent),)
         timeout = context.time_remaining()
         call = decode.stub.Decode(  # type: ignore[attr-defined]
             decode_pb2.DecodeRequest(
@@ -205,7 +226,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     raise LegFailed(decode, grpc.StatusCode.INTERNAL, "decode stream did not start with a reservation")
                 prefill = self.registry.pick_prefill(excluded)
                 if prefill is None:
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no live prefill worker")
+                    raise NoWorker("no live prefill worker")
                 prefill.num_routed_prefill_tokens += len(prompt)
                 progress_queue_us = int((time.monotonic() - progress.start) * 1e6)
                 prefill_task = asyncio.ensure_future(prefill.stub.Prefill(  # type: ignore[attr-defined]

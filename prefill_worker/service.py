@@ -81,7 +81,9 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillWorkerServicer):
                 header.first_logprob.CopyFrom(first_logprob)
             t_transfer = time.monotonic()
             send = await self.channels.announce_and_send(request.target.address, header, packed)
+            t_wire = time.monotonic()
             await asyncio.wrap_future(send)
+            timings.transfer_wire_us = int((time.monotonic() - t_wire) * 1e6)
             status = await self.channels.peer(request.target.address).stub.AwaitTransfer(
                 kv_transfer_pb2.AwaitTransferRequest(
                     transfer_id=request.target.transfer_id,

@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--wait-s", type=float, default=60.0,
                      help="wait this long for the gateway and a decode worker to be up")
     gen.add_argument("--timeout-s", type=float, default=120.0, help="request deadline")
+    gen.add_argument("--min-prefill-workers", type=int, default=0,
+                     help="also wait until this many prefill workers have registered")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -188,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_flag(up, "--metrics-port", type=int, default=-1,
                  help="gateway metrics port; workers use the following ports (-1 off)")
     cfg.add_flag(up, "--log-level", default="info", help="debug|info|warning|error")
+    cfg.add_flag(up, "--local-prefill-max-tokens", type=int, default=32,
+                 help="gateway: prompts shorter than this prefill on the decode worker (0: never)")
     cfg.add_flag(up, "--log-dir", default=None, help="write each service's log here (default: inherit stderr)")
     up.add_argument("service_args", nargs=argparse.REMAINDER,
                     help="after --: extra flags for every worker (e.g. -- --speculative ngram)")

@@ -54,7 +54,7 @@ def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s:
 def stream_to_terminal(args: argparse.Namespace) -> int:
     """``splitserve generate``: stream text to stdout; the finish reason and timings to stderr."""
     try:
-        wait_for_workers(args.gateway, 0, 1, args.wait_s)
+        wait_for_workers(args.gateway, args.min_prefill_workers, 1, args.wait_s)
     except TimeoutError as exc:
         sys.stderr.write(f"splitserve generate: {exc}\n")
         return 1

@@ -140,6 +140,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     cluster = Cluster(
         model=args.model, port=args.port, num_prefill=args.num_prefill, num_decode=args.num_decode,
         threads=args.threads, worker_flags=extra, metrics_port=args.metrics_port,
+        gateway_flags=["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)],
         log_dir=args.log_dir, log_level=args.log_level,
     )
     stopping = False

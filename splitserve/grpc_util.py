@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.transport import TransportError, TransportUnavailable
 
 REQUEST_ID_KEY = "x-request-id"
+TRACEPARENT_KEY = "traceparent"  # W3C trace context, passed through to the workers
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's default; larger requests get RESOURCE_EXHAUSTED
 
 log = structlog.get_logger()
@@ -50,9 +51,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def request_id_from(context: grpc.aio.ServicerContext) -> str | None:
+def metadata_value(context: grpc.aio.ServicerContext, name: str) -> str | None:
     for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_KEY:
+        if key == name:
             return str(value)
     return None
 
@@ -112,9 +113,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _bind(context: grpc.aio.ServicerContext, method: str) -> None:
-    request_id = request_id_from(context)
-    if request_id is not None:
-        structlog.contextvars.bind_contextvars(request_id=request_id)
+    for key, field in ((REQUEST_ID_KEY, "request_id"), (TRACEPARENT_KEY, "traceparent")):
+        value = metadata_value(context, key)
+        if value is not None:
+            structlog.contextvars.bind_contextvars(**{field: value})
     structlog.contextvars.bind_contextvars(rpc=method.rsplit("/", 1)[-1])
 
 

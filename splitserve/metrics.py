@@ -65,6 +65,28 @@ class WorkerMetrics:
     spec_drafts: Counter
     spec_draft_tokens: Counter
     spec_accepted_tokens: Counter
+    spec_accepted_per_position: Counter
+    _spec_seen: dict = None  # type: ignore[assignment]
+
+    def observe_spec(self, stats: object) -> None:
+        """Advance the speculative-decoding counters to the engine's running totals."""
+        seen = self._spec_seen or {}
+        for key, counter in (("num_drafts", self.spec_drafts), ("num_draft_tokens", self.spec_draft_tokens),
+                             ("num_accepted_tokens", self.spec_accepted_tokens)):
+            total = getattr(stats, key)
+            if total > seen.get(key, 0):
+                counter.inc(total - seen.get(key, 0))
+            seen[key] = total
+        for position, total in enumerate(getattr(stats, "accepted_per_position")):
+            key = f"pos{position}"
+            if total > seen.get(key, 0):
+                self.spec_accepted_per_position.labels(role=self.role, position=str(position)).inc(total - seen.get(key, 0))
+            seen[key] = total
+        self._spec_seen = seen
+
+    @property
+    def role(self) -> str:
+        return self._role
 
     @classmethod
     def create(cls, role: str) -> WorkerMetrics:
@@ -78,7 +100,7 @@ class WorkerMetrics:
             c = Counter(name, doc, [*labels, *(extra or [])], registry=r)
             return c if extra else c.labels(**labels)  # type: ignore[return-value]
 
-        return cls(
+        metrics = cls(
             registry=r,
             kv_blocks_used=gauge("splitserve_kv_blocks_used", "KV blocks owned by requests"),
             kv_blocks_free=gauge("splitserve_kv_blocks_free", "KV blocks free or evictable"),
@@ -95,4 +117,8 @@ class WorkerMetrics:
             spec_drafts=counter("splitserve_spec_decode_drafts", "Speculative proposals verified"),
             spec_draft_tokens=counter("splitserve_spec_decode_draft_tokens", "Draft tokens verified"),
             spec_accepted_tokens=counter("splitserve_spec_decode_accepted_tokens", "Draft tokens accepted"),
+            spec_accepted_per_position=counter("splitserve_spec_decode_accepted_per_position",
+                                               "Drafts whose token at this position was accepted", ["position"]),
         )
+        metrics._role = role
+        return metrics

@@ -89,6 +89,8 @@ class WorkerBase:
         self.metrics.kv_blocks_in_transfer.set(self.num_in_transfer_blocks)
         self.metrics.running.set(len(sched.running))
         self.metrics.waiting.set(len(sched.waiting))
+        if engine.proposer is not None:
+            self.metrics.observe_spec(engine.spec_stats)
         return load
 
     def load_snapshot(self) -> common_pb2.WorkerLoad:

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,11 +31,21 @@ LENGTHS = [1, 3, 7, 15, 16, 17, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 80, 96, 
 MAX_TOKENS = [8 + (7 * i) % 41 for i in range(len(LENGTHS))]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+METRICS_PORTS = {"gateway": free_port(), "decode-0": free_port()}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-1x1")
     with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(logs),
-                 gateway_flags=["--local-prefill-max-tokens", "32"]) as c:
+                 gateway_flags=["--local-prefill-max-tokens", "32", "--metrics-port", str(METRICS_PORTS["gateway"])],
+                 decode_flags=["--metrics-port", str(METRICS_PORTS["decode-0"])]) as c:
         yield c
 
 
@@ -211,3 +229,55 @@ def test_sigterm_drains_and_every_process_exits_cleanly(tmp_path) -> None:  # no
     for name in codes:
         log = (tmp_path / f"{name}.log").read_text()
         assert "draining" in log and "stopped" in log, name
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_prometheus_metrics_count_what_was_served(cluster: Cluster) -> None:
+    res = stream(cluster.addresses["gateway"], make_request(list(range(500, 580)), 6))
+    assert res.error is None
+    gw = _scrape(METRICS_PORTS["gateway"])
+    assert gw["splitserve_ttft_seconds_count"] >= 1
+    assert gw["splitserve_inter_token_latency_seconds_count"] >= 1
+    dec = _scrape(METRICS_PORTS["decode-0"])
+    assert dec['splitserve_kv_transfer_bytes_total{role="decode"}'] >= res.timings.transfer_bytes > 0
+    assert dec['splitserve_kv_blocks_free{role="decode"}'] > 0
+    assert 'splitserve_spec_decode_draft_tokens_total{role="decode"}' in dec
+
+
+def test_request_id_is_on_the_lines_of_all_three_services(cluster: Cluster) -> None:
+    res = stream(cluster.addresses["gateway"], make_request(list(range(600, 660)), 4))
+    assert res.error is None
+    logs = {name: (cluster.log_dir / f"{name}.log").read_text().splitlines() for name in ("gateway", "prefill-0", "decode-0")}
+    done = [json.loads(line) for line in logs["gateway"] if '"request.done"' in line]
+    request_id = done[-1]["request_id"]
+    for name, lines in logs.items():
+        mine = [json.loads(line) for line in lines if request_id in line]
+        assert mine, f"{name} logged nothing for request {request_id}"
+        assert all(entry.get("request_id") == request_id for entry in mine), name
+
+
+def test_up_and_generate_commands_from_the_readme(tmp_path) -> None:  # noqa: ANN001
+    port = free_port()
+    cli = [sys.executable, "-m", "splitserve.cli"]
+    up = subprocess.Popen([*cli, "up", "--port", str(port), "--local-prefill-max-tokens", "0",
+                           "--log-dir", str(tmp_path)], stderr=subprocess.PIPE, env=dict(os.environ))
+    try:
+        gen = subprocess.run([*cli, "generate", "--gateway", f"127.0.0.1:{port}", "--min-prefill-workers", "1",
+                              "def fibonacci(n):", "--max-tokens", "16"], capture_output=True, text=True, timeout=180)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        _, up_err = up.communicate(timeout=60)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("def fibonacci(n):") and len(gen.stdout) > len("def fibonacci(n):")
+    assert "finish_reason=FINISH_REASON_LENGTH" in gen.stderr and "transfer_bytes=0]" not in gen.stderr
+    assert up.returncode == 0, up_err.decode()[-2000:]
+    assert '"up.stopped"' in up_err.decode()

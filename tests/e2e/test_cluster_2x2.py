@@ -25,8 +25,10 @@ MAX_TOKENS = [10 + (11 * i) % 37 for i in range(len(LENGTHS))]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-2x2")
+    # Speculative decoding (n-gram) on the decode workers: greedy output must not change.
     with Cluster(MODEL, num_prefill=2, num_decode=2, log_dir=str(logs),
-                 gateway_flags=["--heartbeat-period-ms", "200", "--heartbeat-miss-count", "3"]) as c:
+                 gateway_flags=["--heartbeat-period-ms", "200", "--heartbeat-miss-count", "3"],
+                 decode_flags=["--speculative", "ngram", "--num-speculative-tokens", "4"]) as c:
         yield c
 
 
@@ -39,6 +41,7 @@ def test_32_concurrent_greedy_requests_match_the_in_process_engine(cluster: Clus
     for i, (res, want) in enumerate(zip(results, expected)):
         assert res.error is None, (i, res.error, res.details)
         assert res.token_ids == want, f"request {i} (prompt {LENGTHS[i]} tokens) diverged"
+    assert sum(r.timings.num_draft_tokens for r in results) > 0  # speculation did run
     stats = wait_all_free(cluster.addresses["gateway"])
     assert len(stats) == 4 and all(idle(s) for s in stats.values()), stats
 

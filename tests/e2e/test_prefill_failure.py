@@ -1,4 +1,4 @@
-"""kill -9 of a prefill worker mid-transfer; leases on the decode worker.
+"""kill -9 of a prefill worker mid-transfer; leases on the decode worker; full pools and queues.
 
 The prefill workers here stall 2 s between announcing a transfer and sending it (a fault
 injection flag), and the gateway asks for 1 s leases, so every remote prefill is caught
@@ -32,9 +32,10 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-faults")
     with Cluster(MODEL, num_prefill=2, num_decode=1, log_dir=str(logs),
-                 gateway_flags=["--lease-ms", "1000", "--local-prefill-max-tokens", "16"],
+                 gateway_flags=["--lease-ms", "1000", "--local-prefill-max-tokens", "16",
+                                "--reservation-wait-ms", "300", "--max-in-flight", "3"],
                  prefill_flags=["--fault-transfer-stall-s", "2.0", "--transfer-timeout-s", "5"],
-                 decode_flags=["--transfer-timeout-s", "5"]) as c:
+                 decode_flags=["--transfer-timeout-s", "5", "--num-kv-blocks", "48"]) as c:
         yield c
 
 
@@ -80,5 +81,41 @@ def test_leases_expire_and_short_prompts_still_work(cluster: Cluster) -> None:
     assert log_path.read_text().count("lease expired") > before  # the decode worker freed a reservation
     short = stream(gw, make_request([5, 6, 7, 8, 9], 6), 30)  # prefilled on the decode worker
     assert short.error is None and len(short.token_ids) >= 1
+    stats = wait_all_free(gw, within_s=5.0)
+    assert all(idle(s) for s in stats.values()), stats
+
+
+def test_full_pool_and_full_gateway_are_resource_exhausted(cluster: Cluster) -> None:
+    """Two 300-token prompts hold 38 of the decode worker's 48 blocks while their transfers
+    stall; a third cannot reserve within 300 ms, and a fourth concurrent request exceeds the
+    gateway's max_in_flight of 3."""
+    gw = cluster.addresses["gateway"]
+    decode = cluster.addresses["decode-0"]
+    results: dict[int, object] = {}
+    holders = [threading.Thread(target=lambda i=i: results.update({i: stream(gw, make_request(
+        list(range(1000 + i, 1300 + i)), 4), 30)})) for i in range(2)]
+    for t in holders:
+        t.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if worker_stats(gw)[decode].kv_blocks_in_transfer >= 38:
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail("the two reservations never showed up")
+    third = stream(gw, make_request(list(range(2000, 2300)), 4), 30)
+    assert third.error == grpc.StatusCode.RESOURCE_EXHAUSTED, (third.error, third.details)
+    assert "KV pool" in third.details
+    while worker_stats(gw)[decode].kv_blocks_in_transfer < 38 and time.monotonic() < deadline + 5:
+        time.sleep(0.02)
+    extra = [threading.Thread(target=lambda i=i: results.update({10 + i: stream(gw, make_request(
+        list(range(3000 + i, 3050 + i)), 4), 30)})) for i in range(2)]
+    for t in extra:
+        t.start()
+    for t in holders + extra:
+        t.join(60)
+    codes = [r.error for r in results.values()]
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes, [(r.error, r.details) for r in results.values()]
+    assert any("max_in_flight" in r.details for r in results.values())
     stats = wait_all_free(gw, within_s=5.0)
     assert all(idle(s) for s in stats.values()), stats

@@ -1,0 +1,75 @@
+"""Worker registry: registration, heartbeats, dropping silent workers, routing choices."""
+
+import asyncio
+
+import pytest
+
+from gateway.registry import Registry
+from splitserve.v1 import common_pb2, gateway_pb2
+
+DECODE, PREFILL = common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_PREFILL
+
+
+def _load(total: int = 100, free: int = 100, queued: int = 0) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(kv_blocks_total=total, kv_blocks_free=free, num_queued_prefill_tokens=queued)
+
+
+async def _register(reg: Registry, role: int, port: int, load: common_pb2.WorkerLoad) -> int:
+    resp = await reg.RegisterWorker(
+        gateway_pb2.RegisterWorkerRequest(role=role, address=f"127.0.0.1:{port}", model="m", load=load), None)
+    return resp.worker_id
+
+
+def test_routing_follows_reported_load_and_what_was_routed() -> None:
+    async def run() -> None:
+        reg = Registry("m", heartbeat_period_ms=1000, heartbeat_miss_count=3)
+        d1 = await _register(reg, DECODE, 1, _load(free=40))
+        d2 = await _register(reg, DECODE, 2, _load(free=90))
+        p1 = await _register(reg, PREFILL, 3, _load(queued=500))
+        p2 = await _register(reg, PREFILL, 4, _load(queued=100))
+        assert reg.pick_decode(set()).worker_id == d2  # 10% used beats 60% used
+        assert reg.pick_prefill(set()).worker_id == p2
+        reg.workers[p2].num_routed_prefill_tokens = 450  # routed here since its last heartbeat
+        assert reg.pick_prefill(set()).worker_id == p1
+        assert reg.pick_decode({d2}).worker_id == d1
+        assert reg.pick_decode({d1, d2}) is None
+        await reg.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=d1, load=_load(free=100)), None)
+        assert reg.pick_decode(set()).worker_id == d1  # now empty; ties go to the lower id
+        await reg.Heartbeat(gateway_pb2.HeartbeatRequest(
+            worker_id=d1, load=_load(free=100), state=common_pb2.WORKER_STATE_DRAINING), None)
+        assert reg.pick_decode(set()).worker_id == d2  # draining workers take nothing new
+        await reg.stop()
+
+    asyncio.run(run())
+
+
+def test_a_silent_worker_is_dropped_and_told_to_register_again() -> None:
+    async def run() -> None:
+        reg = Registry("m", heartbeat_period_ms=50, heartbeat_miss_count=4)  # dropped after 200 ms
+        reg.start()
+        quiet = await _register(reg, DECODE, 1, _load())
+        alive = await _register(reg, DECODE, 2, _load())
+        for _ in range(15):  # >= 450 ms, the live one beating every 30 ms
+            await asyncio.sleep(0.03)
+            await reg.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=alive, load=_load()), None)
+        assert set(reg.workers) == {alive}
+        reply = await reg.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=quiet, load=_load()), None)
+        assert reply.known is False
+        await reg.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("field, request_", [
+    ("role", gateway_pb2.RegisterWorkerRequest(address="a:1", model="m")),
+    ("address", gateway_pb2.RegisterWorkerRequest(role=DECODE, model="m")),
+    ("model", gateway_pb2.RegisterWorkerRequest(role=DECODE, address="a:1", model="other")),
+])
+def test_bad_registrations_name_the_field(field: str, request_: gateway_pb2.RegisterWorkerRequest) -> None:
+    async def run() -> None:
+        reg = Registry("m", heartbeat_period_ms=100, heartbeat_miss_count=3)
+        with pytest.raises(ValueError, match=field):
+            await reg.RegisterWorker(request_, None)
+        assert reg.workers == {}
+
+    asyncio.run(run())

@@ -98,7 +98,7 @@ def add_bench_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     g.add_argument("--num-requests", type=int, default=None, help="requests per run")
     s = p.add_argument_group("goodput SLOs (defaults scaled to the bundled model on two cores)")
     s.add_argument("--ttft-slo-ms", type=float, default=250.0)
-    s.add_argument("--tpot-slo-ms", type=float, default=25.0)
+    s.add_argument("--tpot-slo-ms", type=float, default=15.0)
     c = p.add_argument_group("cost")
     price = c.add_mutually_exclusive_group()
     price.add_argument("--gpu-hour-price", type=float, default=None, help="USD per GPU-hour")

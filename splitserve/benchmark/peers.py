@@ -12,7 +12,8 @@ ignored, every request producing exactly ``output_len`` tokens.
 
 On the engine workload (``bench/throughput.py``: a seeded random 32M Llama, 64 prompts of
 16-256 random tokens, 128 output tokens) unless the profile says the bundled model. The
-in-process runners are ``bench/systems.py``'s, so the figures are the engine benchmark's.
+in-process runners are ``bench/systems.py``'s, each in a fresh process started with
+``OMP_NUM_THREADS`` set (``inprocess_runner.py``), like every other system here.
 A deployment is timed from the first send to the last final chunk; starting it is not timed.
 """
 
@@ -116,22 +117,32 @@ def prepare(profile: PeersProfile, bundled_model: Path, seed: int) -> PeersSetup
     return PeersSetup(model_dir, prompts, wl.output_len, wl, settings, description)
 
 
-def _from_system_run(run, system: str) -> PeerResult:
-    details = {k: v for k, v in run.details.items() if k != "traceback"}
-    return PeerResult(system=system, num_requests=run.num_requests, seconds=run.seconds,
-                      output_ids=tuple(tuple(ids) for ids in run.output_ids), error=run.error,
-                      details=details)
+def write_setup(setup: PeersSetup, path: Path, threads: int, num_hf_sequential: int) -> None:
+    """What ``inprocess_runner`` needs, as JSON."""
+    path.write_text(json.dumps({
+        "model_dir": str(setup.model_dir), "prompts": setup.prompts, "threads": threads,
+        "num_hf_sequential": num_hf_sequential, "workload": setup.workload.to_dict(),
+        "settings": vars(setup.settings)}))
 
 
-def run_in_process(system: str, setup: PeersSetup, num_hf_sequential: int) -> PeerResult:
-    systems, _ = _bench_modules()
-    if system == "engine":
-        return _from_system_run(systems.run_ours(setup.model_dir, setup.prompts, setup.workload, setup.settings), system)
-    if system == "hf_generate":
-        sample = setup.prompts[:num_hf_sequential]
-        return _from_system_run(systems.run_hf_sequential(setup.model_dir, sample, setup.workload), system)
-    kwargs = systems.hf_batch_cache_kwargs(setup.workload, setup.settings, page_size=256)
-    return _from_system_run(systems.run_hf_batch(setup.model_dir, setup.prompts, setup.workload, kwargs), system)
+def run_in_process(system: str, setup: PeersSetup, threads: int, num_hf_sequential: int,
+                   log_path: Path) -> PeerResult:
+    """``inprocess_runner`` in a fresh process started with ``OMP_NUM_THREADS=threads``."""
+    with tempfile.TemporaryDirectory(prefix="splitserve-peer-") as tmp:
+        setup_path, out_path = Path(tmp) / "setup.json", Path(tmp) / "result.json"
+        write_setup(setup, setup_path, threads, num_hf_sequential)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        cmd = [sys.executable, "-m", "splitserve.benchmark.inprocess_runner", system, str(setup_path), str(out_path)]
+        with open(log_path, "wb") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        if not out_path.is_file():
+            return PeerResult(system, len(setup.prompts),
+                              error=f"runner exited with {proc.returncode} and no result (log: {log_path})")
+        result = json.loads(out_path.read_text())
+    return PeerResult(system=system, num_requests=result["num_requests"], seconds=result["seconds"],
+                      output_ids=tuple(tuple(ids) for ids in result["output_ids"]), error=result["error"],
+                      details=result["details"])
 
 
 def find_vllm_python(explicit: str | None) -> Path | None:
@@ -228,16 +239,14 @@ def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
               deployment: Callable[[str], DeploymentSpec], threads: int,
               vllm_python: str | None, log_dir: Path, progress: Callable[[str], None]) -> dict:
     """Every system of the profile, one after another; the peers section of the report."""
-    import torch
-
-    torch.set_num_threads(threads)
     results: dict[str, PeerResult] = {}
     for system in profile.systems:
         progress(f"peers: {LABELS.get(system, system)}")
         start = time.perf_counter()
         try:
             if system in ("engine", "hf_generate", "hf_generate_batch"):
-                results[system] = run_in_process(system, setup, profile.num_hf_sequential)
+                results[system] = run_in_process(system, setup, threads, profile.num_hf_sequential,
+                                                 log_dir / f"{system}.log")
             elif system == "vllm_cpu":
                 results[system] = run_vllm(setup, vllm_python, threads, log_dir / "vllm.log")
             else:  # the last section: nothing needs the deployment afterwards

@@ -43,7 +43,7 @@ class OnlineProfile:
     capacity_requests: int = 64
     capacity_concurrency: int = 16
     sweep_workload: str = "code"
-    sweep_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.5)
+    sweep_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
     sweep_rates: tuple[float, ...] = ()  # explicit rates (req/s) replace the fractions
     sweep_requests: int = 32
     mix_requests: int = 40

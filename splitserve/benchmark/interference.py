@@ -20,6 +20,7 @@ only admits the received pages. ``itl_p99_ratio`` = disaggregated / colocated P9
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 
@@ -83,6 +84,7 @@ def run_mode(address: str, profile: InterferenceProfile, model: ModelInfo, seed:
     """One mode's entry, and its ITLs under interference (seconds) for the plots."""
     decode, long = make_requests(profile, model, seed)
     bar = ProgressBar(len(long), f"interference, {mode}", progress)
+    load_before = os.getloadavg()[0]
     try:
         decode_recs, long_recs, window, decode_start = asyncio.run(
             _interfere(address, decode, long, profile, seed, bar))
@@ -95,6 +97,7 @@ def run_mode(address: str, profile: InterferenceProfile, model: ModelInfo, seed:
                    "num_failed": sum(1 for r in [*used, *long_recs] if not r.ok),
                    "num_itl_gaps_under_interference": len(metrics.all_itls_s(used, within=window))},
         "errors": errors([*used, *long_recs]),
+        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "requests": request_rows([*used, *long_recs], decode_start),
     }
     return entry, metrics.all_itls_s(used, within=window)

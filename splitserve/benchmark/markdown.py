@@ -67,6 +67,9 @@ def online_md(section: dict) -> str:
     out.append(table(["run", "workload", "load", "req/s", "out tok/s", "in tok/s", "TTFT p50 ms",
                       "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms", "E2E p99 ms",
                       "goodput req/s", "SLO met", "KV transfer p50 ms / KiB", "spec accept", "KV peak"], rows))
+    loads = [v for r in section["runs"] for v in r.get("load_average_1m", {}).values()]
+    if loads:
+        out.append(f"\nLoad average (1 min) around the runs: {min(loads):.2f}–{max(loads):.2f}.\n")
     failed = [(r["name"], r["counts"]["num_failed"], r["errors"]) for r in section["runs"] if r["counts"]["num_failed"]]
     for name, n, errs in failed:
         out.append(f"\n{name}: {n} request(s) failed, e.g. {errs[0] if errs else '?'}\n")
@@ -92,6 +95,10 @@ def cost_md(section: dict) -> str:
             + f"\n{verdict}.\n")
 
 
+def _load(load: dict | None) -> str:
+    return "–" if not load else f"{load['before']:.2f} → {load['after']:.2f}"
+
+
 def peers_md(section: dict) -> str:
     if is_skipped(section):
         return f"Skipped: {section['skipped']}\n"
@@ -107,9 +114,9 @@ def peers_md(section: dict) -> str:
                      _num(f.get("seconds") if ok else None, ".2f"),
                      _num(f.get("output_tokens_per_s") if ok else None, ".4g"),
                      _num(f.get("ratio_vs_engine") if ok else None, ".2f"),
-                     row["greedy_match_vs_engine"] or "–"])
+                     row["greedy_match_vs_engine"] or "–", _load(row["details"].get("load_average_1m"))])
     out.append(table(["system", "status", "requests", "seconds", "output tok/s", "× engine",
-                      "greedy = engine"], rows))
+                      "greedy = engine", "load avg before → after"], rows))
     return "".join(out)
 
 

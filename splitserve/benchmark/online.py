@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -107,12 +108,14 @@ def measure(address: str, name: str, workload: str, requests: Sequence[RequestSp
             slo: Slo, progress: bool, kv_interval_s: float = 0.1) -> tuple[dict, list[RequestRecord]]:
     """Run one request set; return its report entry and the records (for the plots)."""
     bar = ProgressBar(len(requests), f"{name} ({plan.describe()})", progress)
+    load_before = os.getloadavg()[0]
     try:
         records, samples = asyncio.run(_measure(address, requests, plan, bar, kv_interval_s))
     finally:
         bar.close()
     t0 = min(r.send_s for r in records)
     entry = {"name": name, "workload": workload, "plan": plan.to_dict(),
+             "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
              **run_summary(records, slo, samples), "errors": errors(records),
              "kv_timeline": [s.to_dict(t0) for s in samples], "requests": request_rows(records, t0)}
     return entry, records

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from splitserve.benchmark.deployment import DeploymentPool, DeploymentSpec
@@ -242,7 +242,7 @@ def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
     results: dict[str, PeerResult] = {}
     for system in profile.systems:
         progress(f"peers: {LABELS.get(system, system)}")
-        start = time.perf_counter()
+        start, load_before = time.perf_counter(), os.getloadavg()[0]
         try:
             if system in ("engine", "hf_generate", "hf_generate_batch"):
                 results[system] = run_in_process(system, setup, threads, profile.num_hf_sequential,
@@ -255,8 +255,12 @@ def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
                 pool.release(spec)
         except Exception as exc:  # one system's failure is its row, not the section's end
             results[system] = PeerResult(system, len(setup.prompts), error=f"{type(exc).__name__}: {exc}")
+        # The CPUs may be shared: the load around each system says how far to trust it.
+        load = {"before": load_before, "after": os.getloadavg()[0]}
+        results[system] = replace(results[system], details={**(results[system].details or {}),
+                                                            "load_average_1m": load})
         progress(f"peers: {system} {'done' if results[system].error is None else 'FAILED'} "
-                 f"in {time.perf_counter() - start:.0f} s")
+                 f"in {time.perf_counter() - start:.0f} s (load average {load['before']:.2f} -> {load['after']:.2f})")
     engine = results.get("engine")
     engine_tps = engine.output_tokens_per_s if engine else None
     rows = [peer_row(r, engine_tps, engine if name != "engine" else None) for name, r in results.items()]

@@ -104,18 +104,22 @@ def peers_md(section: dict) -> str:
         return f"Skipped: {section['skipped']}\n"
     w = section["workload"]
     out = [f"Workload: {w['name']}; {w['num_requests']} prompts of {w['min_prompt_len']}–{w['max_prompt_len']} "
-           f"tokens, {w['output_len']} output tokens each, {w['decoding']}; {section['threads']} threads.\n\n"]
+           f"tokens, {w['output_len']} output tokens each, {w['decoding']}. In-process peers and vLLM ran with "
+           f"{' and '.join(map(str, section['thread_counts']))} thread(s); the better run counts (both are in the "
+           f"JSON). The deployments' threads are per worker.\n\n"]
     rows = []
     for row in section["systems"]:
         f = row["figures"]
         ok = row["status"] == "ok"
-        rows.append([row["label"], row["status"] + ("" if ok else f": {row['reason']}"),
+        threads = row["details"].get("threads") or "/".join(
+            str(n) for n in row["details"].get("deployment", {}).get("threads", {}).values()) or "–"
+        rows.append([row["label"], row["status"] + ("" if ok else f": {row['reason']}"), str(threads),
                      str(row["counts"]["num_requests"]),
                      _num(f.get("seconds") if ok else None, ".2f"),
                      _num(f.get("output_tokens_per_s") if ok else None, ".4g"),
                      _num(f.get("ratio_vs_engine") if ok else None, ".2f"),
                      row["greedy_match_vs_engine"] or "–", _load(row["details"].get("load_average_1m"))])
-    out.append(table(["system", "status", "requests", "seconds", "output tok/s", "× engine",
+    out.append(table(["system", "status", "threads", "requests", "seconds", "output tok/s", "× engine",
                       "greedy = engine", "load avg before → after"], rows))
     return "".join(out)
 

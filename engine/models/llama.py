@@ -11,6 +11,7 @@ cast, the same rotate-half RoPE), so greedy outputs match ``generate`` token for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,44 +130,105 @@ class LlamaModel:
 
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
         """
-        spec = self.spec
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            return ops.paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, self.scale
+            )
+
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
         sin = self.sin[batch.positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cos, sin, batch, kv_cache)
-        x = x[batch.logits_indices]
-        x = rms_norm(x, self.final_norm, spec.rms_norm_eps)
+            x = self._layer(i, layer, x, cos, sin, attend)
+        return self._logits(x[batch.logits_indices])
+
+    def forward_sequence(
+        self, token_ids: list[int], start_position: int, block_ids: list[int], kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``[vocab]`` (float32) of the last of ``token_ids``: one sequence, its tokens
+        at ``start_position``, ``start_position + 1``, ... with the earlier positions' K/V
+        already in its pages ``block_ids``.
+
+        The lean path for one short sequence (a draft model's batch-1 decode): no
+        ``ForwardBatch``, no host syncs, one K/V write and one page gather per layer.
+        Same arithmetic as ``forward`` except attention, which runs one SDPA call over the
+        gathered context instead of the paged-attention op, so results agree to float
+        rounding, not bit for bit.
+        """
+        num_tokens = len(token_ids)
+        seq_len = start_position + num_tokens
+        block_size = kv_cache.shape[3]
+        if num_tokens < 1 or seq_len > len(block_ids) * block_size:
+            raise ValueError(
+                f"need 1 <= len(token_ids) and start_position + len(token_ids) = {seq_len} <= "
+                f"len(block_ids) * block_size = {len(block_ids) * block_size}"
+            )
+        device = self.device
+        pages = torch.tensor(block_ids[: -(-seq_len // block_size)], device=device)  # [num_pages]
+        positions = range(start_position, seq_len)
+        slots = torch.tensor(
+            [block_ids[p // block_size] * block_size + p % block_size for p in positions], device=device
+        )  # [t]
+        mask = None
+        if num_tokens > 1:  # query j (position start + j) sees keys 0 .. start + j
+            key_pos = torch.arange(seq_len, device=device)
+            mask = key_pos[None, :] <= torch.arange(start_position, seq_len, device=device)[:, None]
+        spec = self.spec
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache = kv_cache[i].view(2, -1, spec.num_kv_heads, spec.head_dim)  # [2, slots, kv_heads, D]
+            cache.index_copy_(1, slots, torch.stack((k, v)))
+            context = kv_cache[i].index_select(1, pages)  # [2, num_pages, block_size, kv_heads, D]
+            context = context.view(2, -1, spec.num_kv_heads, spec.head_dim)[:, :seq_len]
+            context = context.permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, kv_heads, seq_len, D]
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), context[0], context[1], attn_mask=mask,
+                scale=self.scale, enable_gqa=spec.num_heads != spec.num_kv_heads,
+            )  # [1, heads, t, D]
+            return out[0].transpose(0, 1)
+
+        x = F.embedding(torch.tensor(token_ids, device=device), self.embed)  # [t, hidden]
+        cos = self.cos[start_position:seq_len].unsqueeze(1)  # [t, 1, head_dim]
+        sin = self.sin[start_position:seq_len].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, cos, sin, attend)
+        return self._logits(x[-1:])[0]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
     def _layer(
         self,
         i: int,
         layer: _Layer,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        kv_cache: torch.Tensor,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim]
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
+        """One decoder layer; ``attend(i, q, k, v)`` stores the new K/V of layer i and
+        returns the attention output ``[T, num_heads, head_dim]``."""
         spec = self.spec
         num_tokens = x.shape[0]
         h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
         qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
-        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        q = q.view(num_tokens, spec.num_heads, spec.head_dim)
-        k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        num_qk_heads = spec.num_heads + spec.num_kv_heads
+        qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, num_qk_heads, spec.head_dim)
+        v = qkv[:, spec.q_size + spec.kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        attn = ops.paged_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, self.scale
-        )
+            q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
+            qk = torch.cat(
+                [rms_norm(q, layer.q_norm, spec.rms_norm_eps), rms_norm(k, layer.k_norm, spec.rms_norm_eps)],
+                dim=1,
+            )
+        # RoPE on q and k at once: elementwise, so the same values as rotating each apart.
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
+        attn = attend(i, q, k, v)
         x = x + F.linear(attn.reshape(num_tokens, spec.q_size), layer.o_weight)
         h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
         gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)

@@ -11,6 +11,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.proposers import DraftModelProposer
 from tests.conftest import mixed_prompts
 from tests.test_engine_parity import make_engine
 
@@ -174,3 +175,55 @@ def test_sampling_preserves_target_distribution(method: str, ckpt_dir: Callable[
         proposal = torch.roll(p1, 1)  # P(draft = t1 + 1)
         assert _chi_square_p(counts, proposal) < 0.001
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batch1_draft_path_proposes_what_the_batched_path_does(
+    temperature: float, ckpt_dir: Callable[..., Path]
+) -> None:
+    """One request goes through the draft's lean single-sequence forward; the same request
+    through the batched path gets the same drafts (and, sampling, the same draft_probs)."""
+    path = ckpt_dir("llama")
+    draft = ckpt_dir("llama", num_hidden_layers=1, _seed=5)
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(draft), num_speculative_tokens=4)
+    engine = spec_engine(path, spec)
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=40, ignore_eos=True)
+    rid = engine.add_request(mixed_prompts(5, 512, seed=4, max_len=40)[4], params)
+    proposer = engine.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    before: list[tuple[int, torch.Tensor]] = []
+    propose = proposer.propose
+
+    def recording_propose(requests: list, ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        before.append((requests[0].draft_num_computed, requests[0].generator.get_state()))
+        propose(requests, ks, block_ids)
+
+    proposer.propose = recording_propose  # type: ignore[method-assign]
+    for _ in range(6):
+        engine.step()
+    request = engine.scheduler.requests[rid]
+    lean = (request.spec_token_ids, request.draft_probs, request.draft_num_computed)
+    request.draft_num_computed, generator_state = before[-1]
+    request.generator.set_state(generator_state)
+    with torch.inference_mode():
+        proposer._propose_batch([request], [len(lean[0])], {rid: engine.kv.block_ids(rid)})
+    assert lean[0] == request.spec_token_ids and len(lean[0]) == 4
+    assert lean[2] == request.draft_num_computed
+    if temperature == 0.0:
+        assert lean[1] is None  # greedy drafts carry no distribution
+    else:
+        torch.testing.assert_close(lean[1], request.draft_probs, rtol=1e-5, atol=1e-6)
+
+
+def test_batch1_draft_path_greedy_identical_one_request_at_a_time(ckpt_dir: Callable[..., Path]) -> None:
+    path = ckpt_dir("qwen3")
+    prompts = mixed_prompts(4, 512, seed=21, max_len=90)
+    base = make_engine(path).generate(prompts, GREEDY)
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(path), num_speculative_tokens=3)
+    engine = spec_engine(path, spec)
+    outs = [engine.generate([p], GREEDY)[0] for p in prompts]  # batch 1: the lean path
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    engine.check_integrity()
+    assert engine.num_free_blocks == 512

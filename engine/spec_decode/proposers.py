@@ -46,6 +46,11 @@ class DraftModelProposer(Proposer):
     proposal first catches the draft up on the tokens it has not seen (the prompt on the
     first call, then the tokens accepted or resampled in the last verify), then runs k - 1
     single-token steps, all batched across requests.
+
+    A single request (batch-1 decode, where a draft forward costs mostly fixed per-call
+    overhead) takes ``LlamaModel.forward_sequence`` instead: no ``ForwardBatch`` or
+    sampling metadata per draft step, and greedy drafts are plain argmaxes without
+    ``draft_probs`` (the verifier ignores a greedy row's draft distribution anyway).
     """
 
     def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
@@ -73,6 +78,38 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        if len(requests) == 1:
+            self._propose_one(requests[0], ks[0], block_ids[requests[0].request_id])
+        else:
+            self._propose_batch(requests, ks, block_ids)
+
+    def _propose_one(self, request: Request, k: int, block_ids: list[int]) -> None:
+        """One request (batch-1 decode): the model's lean single-sequence forward, no
+        ``ForwardBatch``; greedy drafts are argmaxes and carry no ``draft_probs``."""
+        params = request.sampling_params
+        start = request.draft_num_computed
+        logits = self.model.forward_sequence(request.all_token_ids[start:], start, block_ids, self.kv_cache)
+        metadata = None
+        if not params.greedy:
+            metadata = SamplingMetadata.build([params], [request.all_token_ids], [request.generator], self.device)
+        drafts: list[int] = []
+        probs: list[torch.Tensor] = []
+        for j in range(k):
+            if j > 0:  # run the previous draft at its position, num_tokens - 1 + j
+                logits = self.model.forward_sequence(
+                    drafts[-1:], request.num_tokens - 1 + j, block_ids, self.kv_cache
+                )
+            if metadata is None:
+                drafts.append(int(logits.argmax()))
+            else:
+                row_probs = compute_probs(logits.unsqueeze(0), metadata)  # [1, vocab]
+                drafts.append(int(random_sample(row_probs, metadata.generators)[0]))
+                probs.append(row_probs[0])
+        request.spec_token_ids = drafts
+        request.draft_probs = torch.stack(probs) if probs else None
+        request.draft_num_computed = request.num_tokens + k - 1
+
+    def _propose_batch(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
         metadata = SamplingMetadata.build(
             [r.sampling_params for r in requests],
             [r.all_token_ids for r in requests],

@@ -11,7 +11,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposers import DraftModelProposer
+from engine.spec_decode.proposers import DraftModelProposer, NgramDraftProposer
 from tests.conftest import mixed_prompts
 from tests.test_engine_parity import make_engine
 
@@ -148,7 +148,7 @@ def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "ngram_draft"])
 def test_sampling_preserves_target_distribution(method: str, ckpt_dir: Callable[..., Path]) -> None:
     vocab = 32
     path = ckpt_dir("llama", vocab_size=vocab, _seed=31)
@@ -156,8 +156,11 @@ def test_sampling_preserves_target_distribution(method: str, ckpt_dir: Callable[
     # Every token occurs in the prompt, so n-gram lookup proposes a draft after any first token.
     prompt = list(range(vocab)) + [5, 9, 3]
     target_marginal = _marginal_second_token(path, prompt)
-    spec = SpeculativeConfig(method=method, draft_model=str(draft) if method == "draft_model" else None,
-                             num_speculative_tokens=1, max_batch_size=4096)
+    # ngram_draft with ngram_min=2: lookup drafts after t1 = 4 (the pair [3, 4] recurs),
+    # the draft model after every other t1, so both kinds of rows verify in one batch.
+    spec = SpeculativeConfig(method=method, draft_model=str(draft) if method != "ngram" else None,
+                             num_speculative_tokens=1, max_batch_size=4096,
+                             ngram_min=2 if method == "ngram_draft" else None)
     engine = make_engine(path, speculative=spec, num_kv_blocks=4096, max_num_seqs=1024,
                          max_num_batched_tokens=16384, max_model_len=64)
     torch.manual_seed(2024)
@@ -170,7 +173,7 @@ def test_sampling_preserves_target_distribution(method: str, ckpt_dir: Callable[
     # The test has power: the draft's (or the n-gram's) proposal distribution is rejected.
     if method == "draft_model":
         assert _chi_square_p(counts, _marginal_second_token(draft, prompt)) < 0.001
-    else:  # n-gram drafts: the token after t1's last occurrence in the prompt, i.e. t1 + 1
+    elif method == "ngram":  # n-gram drafts: the token after t1's last occurrence in the prompt, i.e. t1 + 1
         p1 = _marginal_first_token(path, prompt)
         proposal = torch.roll(p1, 1)  # P(draft = t1 + 1)
         assert _chi_square_p(counts, proposal) < 0.001
@@ -227,3 +230,52 @@ def test_batch1_draft_path_greedy_identical_one_request_at_a_time(ckpt_dir: Call
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     engine.check_integrity()
     assert engine.num_free_blocks == 512
+
+
+def test_ngram_draft_uses_lookup_where_the_context_repeats(ckpt_dir: Callable[..., Path]) -> None:
+    """Repetitive prompts get lookup drafts, random ones the draft model's; greedy output
+    is unchanged either way, at batch 1 (lean draft path) and batched."""
+    path = ckpt_dir("llama")
+    draft = ckpt_dir("llama", num_hidden_layers=1, _seed=5)
+    prompts = repetitive_prompts(3, seed=2) + mixed_prompts(5, 512, seed=8, min_len=20, max_len=80)
+    base = make_engine(path).generate(prompts, GREEDY)
+    spec = SpeculativeConfig(method="ngram_draft", draft_model=str(draft), num_speculative_tokens=4,
+                             max_batch_size=16)
+    assert spec.min_ngram_len == 3
+    engine = spec_engine(path, spec)
+    assert isinstance(engine.proposer, NgramDraftProposer)
+    proposer = engine.proposer
+    by_lookup: list[str] = []
+    by_draft: list[str] = []
+    ngram_propose, draft_propose = proposer.ngram.propose, proposer.draft.propose
+
+    def lookup(requests: list, ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        ngram_propose(requests, ks, block_ids)
+        by_lookup.extend(r.request_id for r in requests if r.spec_token_ids)
+
+    def draft_model(requests: list, ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        assert not any(r.spec_token_ids for r in requests)  # only what lookup left
+        by_draft.extend(r.request_id for r in requests)
+        draft_propose(requests, ks, block_ids)
+
+    proposer.ngram.propose = lookup  # type: ignore[method-assign]
+    proposer.draft.propose = draft_model  # type: ignore[method-assign]
+    batched = engine.generate(prompts, GREEDY)
+    one_by_one = [engine.generate([p], GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in base]
+    assert [o.token_ids for o in one_by_one] == [o.token_ids for o in base]
+    random_ids = {o.request_id for o in batched[3:] + one_by_one[3:]}
+    assert by_lookup and random_ids <= set(by_draft)  # both proposers served
+    assert engine.spec_stats.num_accepted_tokens > 0
+    engine.check_integrity()
+    assert engine.num_free_blocks == 512
+
+
+def test_ngram_min_defaults_by_method() -> None:
+    assert SpeculativeConfig(method="ngram").min_ngram_len == 1
+    assert SpeculativeConfig(method="ngram_draft", draft_model="d").min_ngram_len == 3
+    assert SpeculativeConfig(method="ngram_draft", draft_model="d", ngram_min=2).min_ngram_len == 2
+    with pytest.raises(ValueError, match="draft_model"):
+        SpeculativeConfig(method="ngram_draft")
+    with pytest.raises(ValueError, match="ngram_min"):
+        SpeculativeConfig(method="ngram_draft", draft_model="d", ngram_max=2)  # default min 3 > max

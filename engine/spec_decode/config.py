@@ -4,24 +4,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "ngram_draft")
+# Shortest recurring suffix that n-gram lookup trusts, when ``ngram_min`` is left unset:
+# plain lookup takes any match; the combined method hands weak (1-2 token) matches to the
+# draft model, whose proposals are accepted more often there.
+DEFAULT_NGRAM_MIN = {"draft_model": 1, "ngram": 1, "ngram_draft": 3}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How the engine proposes draft tokens and when it speculates at all.
 
+    Methods: ``ngram`` (prompt lookup: the tokens that followed the last earlier occurrence
+    of the sequence's suffix), ``draft_model`` (a small model with the target's tokenizer),
+    ``ngram_draft`` (prompt lookup where a suffix of at least ``ngram_min`` tokens recurs,
+    the draft model everywhere else).
+
     ``num_speculative_tokens`` (k) is the server's proposal length; a request may ask for
-    fewer through ``SamplingParams.num_speculative_tokens``. Back-off policy: a step
-    speculates only while at most ``max_batch_size`` requests are decoding; beyond that the
-    batch already keeps the matmuls busy, and k extra tokens per sequence cost about as
-    much compute as they could save.
+    fewer through ``SamplingParams.num_speculative_tokens``. ``ngram_min`` / ``ngram_max``
+    bound the suffix lengths that lookup tries (longest first); ``ngram_min`` None means
+    the method's default (``DEFAULT_NGRAM_MIN``), resolved in ``min_ngram_len``.
+
+    Back-off policy: a step speculates only while at most ``max_batch_size`` requests are
+    decoding; beyond that the batch already keeps the matmuls busy, and k extra tokens per
+    sequence cost about as much compute as they could save.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     draft_model: str | None = None
-    ngram_min: int = 1
+    ngram_min: int | None = None
     ngram_max: int = 4
     max_batch_size: int = 8
 
@@ -32,11 +44,16 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
             )
-        if self.method == "draft_model" and not self.draft_model:
-            raise ValueError("draft_model: the draft_model method needs a checkpoint directory")
-        if not 1 <= self.ngram_min <= self.ngram_max:
+        if self.method in ("draft_model", "ngram_draft") and not self.draft_model:
+            raise ValueError(f"draft_model: the {self.method} method needs a checkpoint directory")
+        if not 1 <= self.min_ngram_len <= self.ngram_max:
             raise ValueError(
-                f"ngram_min/ngram_max must satisfy 1 <= min <= max, got {self.ngram_min}/{self.ngram_max}"
+                f"ngram_min/ngram_max must satisfy 1 <= min <= max, got {self.min_ngram_len}/{self.ngram_max}"
             )
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    @property
+    def min_ngram_len(self) -> int:
+        """``ngram_min``, or the method's default when unset."""
+        return self.ngram_min if self.ngram_min is not None else DEFAULT_NGRAM_MIN[self.method]

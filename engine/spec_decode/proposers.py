@@ -29,7 +29,7 @@ class Proposer(ABC):
 
 class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.min_n = config.ngram_min
+        self.min_n = config.min_ngram_len
         self.max_n = config.ngram_max
 
     def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
@@ -169,7 +169,31 @@ def _select_rows(metadata: SamplingMetadata, rows: list[int], requests: list[Req
     )
 
 
+class NgramDraftProposer(Proposer):
+    """Prompt lookup where the context repeats, the draft model everywhere else.
+
+    A request whose suffix of at least ``ngram_min`` tokens recurs takes the lookup's
+    drafts (free, deterministic: ``draft_probs`` None); the others go to the draft model in
+    one batch. The draft's KV simply falls behind while lookup serves a request: its next
+    draft-model proposal catches up on every token since (one forward of a few tokens).
+    Sampling stays exact per row, whichever proposer drafted it (the verifier treats a
+    lookup draft as probability 1 on its token).
+    """
+
+    def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
+        self.ngram = NgramProposer(config)
+        self.draft = DraftModelProposer(config, target)
+
+    def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        self.ngram.propose(requests, ks, block_ids)
+        rest = [(r, k) for r, k in zip(requests, ks) if not r.spec_token_ids]
+        if rest:
+            self.draft.propose([r for r, _ in rest], [k for _, k in rest], block_ids)
+
+
 def make_proposer(config: SpeculativeConfig, target: ModelRunner) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "ngram_draft":
+        return NgramDraftProposer(config, target)
     return DraftModelProposer(config, target)

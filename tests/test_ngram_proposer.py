@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
@@ -37,3 +39,25 @@ def test_no_match_and_bounds() -> None:
 def test_config_validation(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig(**kwargs)
+
+
+def _reference_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, spelled out: longest recurring suffix first, then its last earlier match."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == suffix]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), max_size=40),
+    k=st.integers(0, 6),
+    min_n=st.integers(1, 4),
+    extra_n=st.integers(0, 3),
+)
+def test_matches_the_definition(tokens: list[int], k: int, min_n: int, extra_n: int) -> None:
+    max_n = min_n + extra_n
+    assert propose_ngram(tokens, k, min_n, max_n) == _reference_ngram(tokens, k, min_n, max_n)

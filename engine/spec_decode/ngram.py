@@ -10,17 +10,27 @@ import numpy as np
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` tokens continuing the longest suffix (``max_n`` down to ``min_n`` tokens)
     that also occurs earlier in ``token_ids``; the most recent earlier match wins. Empty
-    when no suffix of at least ``min_n`` tokens recurs."""
+    when no suffix of at least ``min_n`` tokens recurs.
+
+    One vectorised pass finds the earlier positions holding the last token (each ends a
+    match of length >= 1); each is extended backwards in Python, most recent first, up to
+    ``max_n``. Positions are few next to the sequence, so this is a few microseconds where
+    one sliding-window comparison per n over the whole sequence cost tens.
+    """
     num_tokens = len(token_ids)
     if k < 1 or num_tokens < min_n + 1:
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
-        suffix = tokens[num_tokens - n :]
-        # Windows starting at 0 .. num_tokens - n - 1 (excluding the suffix itself).
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: num_tokens - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # [num matches], ascending
+    best_n, best_end = 0, -1
+    for end in ends[::-1].tolist():  # most recent first, so ties keep the most recent
+        n, limit = 1, min(max_n, end + 1)
+        while n < limit and token_ids[end - n] == token_ids[num_tokens - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_end = n, end
+            if n == max_n:
+                break
+    if best_n < min_n:
+        return []
+    return list(token_ids[best_end + 1 : best_end + 1 + k])

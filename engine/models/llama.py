@@ -56,9 +56,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
+
+    ``signed_sin = [-sin1, sin2]`` carries the sign, so the rotation is a roll by half the
+    head: ``x2 * -sin1`` is exactly ``-x2 * sin1`` in IEEE arithmetic, so the values are
+    transformers' bit for bit, with two kernels fewer per call.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaModel:
@@ -122,7 +127,9 @@ class LlamaModel:
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(self.dtype).to(self.device)  # [max_len, head_dim]
-        self.sin = (emb.sin() * scaling).to(self.dtype).to(self.device)
+        sin = (emb.sin() * scaling).to(self.dtype)
+        half = sin.shape[-1] // 2
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device)
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -140,7 +147,7 @@ class LlamaModel:
 
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[batch.positions].unsqueeze(1)
+        sin = self.signed_sin[batch.positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, cos, sin, attend)
         return self._logits(x[batch.logits_indices])
@@ -153,7 +160,8 @@ class LlamaModel:
         already in its pages ``block_ids``.
 
         The lean path for one short sequence (a draft model's batch-1 decode): no
-        ``ForwardBatch``, no host syncs, one K/V write and one page gather per layer.
+        ``ForwardBatch``, no host syncs, one K/V write and one gather of the context's
+        slots per layer.
         Same arithmetic as ``forward`` except attention, which runs one SDPA call over the
         gathered context instead of the paged-attention op, so results agree to float
         rounding, not bit for bit.
@@ -167,23 +175,23 @@ class LlamaModel:
                 f"len(block_ids) * block_size = {len(block_ids) * block_size}"
             )
         device = self.device
+        spec = self.spec
+        # Slot of every position of the sequence, then the new tokens' among them.
         pages = torch.tensor(block_ids[: -(-seq_len // block_size)], device=device)  # [num_pages]
-        positions = range(start_position, seq_len)
-        slots = torch.tensor(
-            [block_ids[p // block_size] * block_size + p % block_size for p in positions], device=device
-        )  # [t]
+        offsets = torch.arange(block_size, device=device)
+        context_slots = (pages[:, None] * block_size + offsets).view(-1)[:seq_len]  # [seq_len]
+        new_slots = context_slots[start_position:]  # [t]
         mask = None
         if num_tokens > 1:  # query j (position start + j) sees keys 0 .. start + j
             key_pos = torch.arange(seq_len, device=device)
             mask = key_pos[None, :] <= torch.arange(start_position, seq_len, device=device)[:, None]
-        spec = self.spec
+        flat_cache = kv_cache.view(spec.num_layers, 2, -1, spec.num_kv_heads, spec.head_dim)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache = kv_cache[i].view(2, -1, spec.num_kv_heads, spec.head_dim)  # [2, slots, kv_heads, D]
-            cache.index_copy_(1, slots, torch.stack((k, v)))
-            context = kv_cache[i].index_select(1, pages)  # [2, num_pages, block_size, kv_heads, D]
-            context = context.view(2, -1, spec.num_kv_heads, spec.head_dim)[:, :seq_len]
-            context = context.permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, kv_heads, seq_len, D]
+            cache = flat_cache[i]  # [2, num_slots, kv_heads, D]
+            cache.index_copy_(1, new_slots, torch.stack((k, v)))
+            # [2, 1, kv_heads, seq_len, D]: 4-d operands (CPU SDPA is ~2x slower on 3-d ones)
+            context = cache.index_select(1, context_slots).transpose(1, 2).unsqueeze(1)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), context[0], context[1], attn_mask=mask,
                 scale=self.scale, enable_gqa=spec.num_heads != spec.num_kv_heads,
@@ -192,7 +200,7 @@ class LlamaModel:
 
         x = F.embedding(torch.tensor(token_ids, device=device), self.embed)  # [t, hidden]
         cos = self.cos[start_position:seq_len].unsqueeze(1)  # [t, 1, head_dim]
-        sin = self.sin[start_position:seq_len].unsqueeze(1)
+        sin = self.signed_sin[start_position:seq_len].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, cos, sin, attend)
         return self._logits(x[-1:])[0]
@@ -207,7 +215,7 @@ class LlamaModel:
         layer: _Layer,
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim], signed (see apply_rope)
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """One decoder layer; ``attend(i, q, k, v)`` stores the new K/V of layer i and
@@ -226,7 +234,7 @@ class LlamaModel:
                 dim=1,
             )
         # RoPE on q and k at once: elementwise, so the same values as rotating each apart.
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
         attn = attend(i, q, k, v)
         x = x + F.linear(attn.reshape(num_tokens, spec.q_size), layer.o_weight)

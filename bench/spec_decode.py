@@ -7,7 +7,9 @@ of training (``models/train_report.json``), cut at seeded lengths of 64-512 toke
 so prompt + output fits the model), 128 new tokens, greedy. Side by side in one run:
 
 * batch 1: decode tokens/s (first to last output token) of each request alone, without
-  speculation, with n-gram lookup and with the draft model; acceptance figures.
+  speculation, with n-gram lookup, with the draft model and with both (lookup where the
+  context repeats, the draft model elsewhere); acceptance figures. The engines take turns
+  prompt by prompt, so load that drifts during the run hits all of them alike.
 * batch 32: output tokens/s of all requests at once, without speculation, with the
   default back-off policy, and with speculation forced on (back-off disabled).
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import sysconfig
@@ -60,25 +63,34 @@ def _engine(target: Path, spec: SpeculativeConfig | None, threads: int) -> Engin
                                num_threads=threads, speculative=spec))
 
 
-def run_batch1(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Each prompt alone; decode rate = (tokens - 1) / (last token time - first token time)."""
-    decode_tokens, decode_seconds, outputs = 0, 0.0, []
-    before = replace(engine.spec_stats)
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-        first = last = None
-        tokens: list[int] = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
-                tokens = out.token_ids
-        outputs.append(tokens)
-        decode_tokens += len(tokens) - 1
-        decode_seconds += (last or 0.0) - (first or 0.0)
-    return {"decode_tok_s": decode_tokens / decode_seconds, "outputs": outputs,
-            **_spec_delta(before, engine)}
+def run_batch1(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Each prompt alone through every engine in turn (interleaved, so load that drifts
+    during the run hits all of them alike); decode rate = (tokens - 1) / (last token time -
+    first token time), summed over the prompts."""
+    before = {name: replace(engine.spec_stats) for name, engine in engines.items()}
+    totals = {name: {"decode_tokens": 0, "decode_seconds": 0.0, "outputs": []} for name in engines}
+    for i, prompt in enumerate(prompts):
+        for name, engine in engines.items():
+            sys.stderr.write(f"[spec bench] batch 1: prompt {i + 1}/{len(prompts)} {name}\n")
+            num_tokens, seconds, tokens = _decode_alone(engine, prompt, params)
+            totals[name]["decode_tokens"] += num_tokens
+            totals[name]["decode_seconds"] += seconds
+            totals[name]["outputs"].append(tokens)
+    return {name: {"decode_tok_s": t["decode_tokens"] / t["decode_seconds"], **t,
+                   **_spec_delta(before[name], engines[name])} for name, t in totals.items()}
+
+
+def _decode_alone(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[int, float, list[int]]:
+    engine.add_request(prompt, params)
+    first = last = None
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            tokens = out.token_ids
+    return len(tokens) - 1, (last or 0.0) - (first or 0.0), tokens
 
 
 def run_batched(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -125,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         "none": None,
         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=args.k),
         "draft": SpeculativeConfig(method="draft_model", draft_model=str(args.draft), num_speculative_tokens=args.k),
+        "ngram_draft": SpeculativeConfig(method="ngram_draft", draft_model=str(args.draft),
+                                         num_speculative_tokens=args.k),
     }
     report: dict = {"machine": machine_description(args.threads), "commit": git_commit(REPO),
                     "workload": {"prompt_len": [64, max_prompt], "output_len": args.output_len,
@@ -134,14 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     engines = {name: _engine(args.target, spec, args.threads) for name, spec in configs.items()}
     for engine in engines.values():  # warm-up
         engine.generate([prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=8))
-    for name, engine in engines.items():
-        sys.stderr.write(f"[spec bench] batch 1: {name}\n")
-        report["batch1"][name] = run_batch1(engine, prompts[: args.num_batch1], params)
+    report["batch1"] = run_batch1(engines, prompts[: args.num_batch1], params)
     for name, engine in engines.items():
         sys.stderr.write(f"[spec bench] batch {args.num_batch}: {name}\n")
         report["batch"][name] = run_batched(engine, prompts, params)
     forced = _engine(args.target, replace(configs["draft"], max_batch_size=args.num_batch), args.threads)
     report["batch"]["draft_forced"] = run_batched(forced, prompts, params)
+    report["machine"]["load_average_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     _print_and_save(report, args.out)
     return 0
 
@@ -149,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
 def _print_and_save(report: dict, out: Path) -> None:
     base1 = report["batch1"]["none"]
     baseb = report["batch"]["none"]
-    lines = ["batch 1 (decode tok/s, one request at a time)",
+    machine = report["machine"]
+    lines = [f"load average (1 min): {machine['load_average_1m']} at start, "
+             f"{machine['load_average_1m_end']} at end; torch threads {machine['torch_num_threads']}",
+             "batch 1 (decode tok/s, one request at a time)",
              f"{'proposer':14s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'mean len':>8s} {'same output':>11s}"]
     for name, r in report["batch1"].items():
         r["speedup"] = r["decode_tok_s"] / base1["decode_tok_s"]

@@ -279,3 +279,26 @@ def test_ngram_min_defaults_by_method() -> None:
         SpeculativeConfig(method="ngram_draft")
     with pytest.raises(ValueError, match="ngram_min"):
         SpeculativeConfig(method="ngram_draft", draft_model="d", ngram_max=2)  # default min 3 > max
+
+
+def test_draft_runs_on_one_intra_op_thread(ckpt_dir: Callable[..., Path]) -> None:
+    """The draft's tiny ops run single-threaded; the engine's thread count comes back."""
+    path = ckpt_dir("llama")
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(path), num_speculative_tokens=2)
+    try:
+        engine = spec_engine(path, spec, num_threads=2)
+        proposer = engine.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        seen: list[int] = []
+        forward_sequence = proposer.model.forward_sequence
+
+        def recording(*args: object) -> torch.Tensor:
+            seen.append(torch.get_num_threads())
+            return forward_sequence(*args)  # type: ignore[arg-type]
+
+        proposer.model.forward_sequence = recording  # type: ignore[method-assign]
+        engine.generate([mixed_prompts(5, 512, seed=2, max_len=30)[4]], GREEDY)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)  # the suite's setting (conftest)

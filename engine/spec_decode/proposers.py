@@ -8,6 +8,8 @@ chose to speculate this step. The target verifies them in the next step's forwar
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -78,10 +80,11 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
-        if len(requests) == 1:
-            self._propose_one(requests[0], ks[0], block_ids[requests[0].request_id])
-        else:
-            self._propose_batch(requests, ks, block_ids)
+        with _one_intra_op_thread():
+            if len(requests) == 1:
+                self._propose_one(requests[0], ks[0], block_ids[requests[0].request_id])
+            else:
+                self._propose_batch(requests, ks, block_ids)
 
     def _propose_one(self, request: Request, k: int, block_ids: list[int]) -> None:
         """One request (batch-1 decode): the model's lean single-sequence forward, no
@@ -156,6 +159,27 @@ class DraftModelProposer(Proposer):
         probs = compute_probs(logits, metadata)
         generators = [None if r.sampling_params.greedy else r.generator for r in requests]
         return random_sample(probs, generators), probs
+
+
+@contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Run the block with one torch intra-op thread, then restore the engine's count.
+
+    A draft forward is ~180 ops on a few hundred numbers each; with more threads, the ops
+    that parallelise regardless of size (SDPA, index ops) pay an OpenMP fork/join each,
+    which costs more than the op (a batch-1 draft forward took ~1.0 ms with 2 threads,
+    ~0.6 ms with 1, on an idle 2-core machine). The target keeps its threads. Setting the
+    count costs well under a microsecond; the engine loop is the only caller.
+    """
+    num_threads = torch.get_num_threads()
+    if num_threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
 
 
 def _select_rows(metadata: SamplingMetadata, rows: list[int], requests: list[Request]) -> SamplingMetadata:

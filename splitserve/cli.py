@@ -122,6 +122,21 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if serving else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from splitserve.benchmark.main import run_from_args
+
+    return run_from_args(args)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """``splitserve bench``: load generator, peers and report (``splitserve/benchmark/``)."""
+    from splitserve.benchmark.options import add_bench_flags
+
+    bench = sub.add_parser("bench", help="benchmark a deployment and its peers; write a report")
+    add_bench_flags(bench, default_model())
+    bench.set_defaults(func=_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from splitserve import config as cfg
 
@@ -150,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-speculative-tokens", type=int, default=4)
     gen.add_argument("--draft-model", default=str(DEFAULT_MODEL.parent / "draft"))
     gen.set_defaults(func=_generate)
+    add_bench_parser(sub)
 
     gw = sub.add_parser("gateway", help="run the gateway")
     cfg.add_gateway_flags(gw, default_model())

@@ -1,0 +1,1 @@
+"""splitserve bench: load generator, peers, interference experiment and report (``splitserve bench``)."""

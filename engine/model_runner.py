@@ -13,9 +13,10 @@ from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import ModelSpec, load_hf_config, load_weights, model_spec_from_config
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_probs
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.metrics import SpecDecodeStats
-from engine.spec_decode.rejection_sampler import rejection_sample
+from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from kernels import ops
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,6 +79,11 @@ def make_forward_batch(
         query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
     )
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with no history-dependent logit processing: the token is the raw argmax."""
+    return params.greedy and params.repetition_penalty == 1.0
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
@@ -198,7 +204,33 @@ class ModelRunner:
         return result
 
     def _verify(self, items: list[ScheduledRequest], logits: torch.Tensor, result: StepResult) -> None:
-        """Rejection-sample each request's drafts against the target's k + 1 rows."""
+        """Verify each request's drafts against the target's k + 1 logit rows (in item order)."""
+        if all(_is_plain_greedy(item.request.sampling_params) for item in items):
+            outputs = self._verify_greedy(items, logits)
+        else:
+            outputs = self._verify_sampled(items, logits)
+        for item, token_ids in zip(items, outputs):
+            request_id = item.request.request_id
+            result.tokens[request_id] = [SampledToken(t) for t in token_ids]
+            result.num_accepted[request_id] = len(token_ids) - 1
+        self.spec_stats.observe(
+            [len(item.spec_token_ids) for item in items], [len(t) - 1 for t in outputs]
+        )
+
+    @staticmethod
+    def _verify_greedy(items: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
+        """All rows greedy without penalties: the target token at every row is the argmax of
+        the raw logits, so one argmax and one host copy serve the whole step."""
+        target_ids = logits.argmax(dim=1).tolist()  # [sum(k + 1)]
+        outputs, row = [], 0
+        for item in items:
+            k = len(item.spec_token_ids)
+            outputs.append(greedy_verify(item.spec_token_ids, target_ids[row : row + k + 1]))
+            row += k + 1
+        return outputs
+
+    def _verify_sampled(self, items: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
+        """Any sampling row: processed target distributions and ``rejection_sample``."""
         requests = [item.request for item in items]
         ks = [len(item.spec_token_ids) for item in items]
         rows_params = [r.sampling_params for r, k in zip(requests, ks) for _ in range(k + 1)]
@@ -210,30 +242,30 @@ class ModelRunner:
         vocab = flat_probs.shape[1]
         target_probs = flat_probs.new_zeros(len(items), max_k + 1, vocab)
         draft_ids = torch.zeros(len(items), max_k, dtype=torch.int64)
-        has_draft_probs = all(r.draft_probs is not None for r in requests)
+        # Rows without draft_probs (deterministic drafts) put probability 1 on each draft.
+        has_draft_probs = any(r.draft_probs is not None for r in requests)
         draft_probs = flat_probs.new_zeros(len(items), max_k, vocab) if has_draft_probs else None
         row = 0
         for i, (item, k) in enumerate(zip(items, ks)):
             target_probs[i, : k + 1] = flat_probs[row : row + k + 1]
             draft_ids[i, :k] = torch.tensor(item.spec_token_ids)
             if draft_probs is not None:
-                draft_probs[i, :k] = item.request.draft_probs[:k]
+                if item.request.draft_probs is not None:
+                    draft_probs[i, :k] = item.request.draft_probs[:k]
+                else:
+                    draft_probs[i, torch.arange(k), draft_ids[i, :k]] = 1.0
             row += k + 1
-        num_drafts = torch.tensor(ks, dtype=torch.int64, device=self.device)
         outcome = rejection_sample(
             draft_ids.to(self.device),
-            num_drafts,
+            torch.tensor(ks, dtype=torch.int64, device=self.device),
             draft_probs,
             target_probs,
             torch.tensor([r.sampling_params.greedy for r in requests], device=self.device),
             [r.generator for r in requests],
         )
         tokens = outcome.output_token_ids.tolist()
-        for i, request in enumerate(requests):
-            num_out = int(outcome.num_output[i])
-            result.tokens[request.request_id] = [SampledToken(t) for t in tokens[i][:num_out]]
-            result.num_accepted[request.request_id] = num_out - 1
-        self.spec_stats.observe(num_drafts, outcome.num_accepted)
+        num_output = outcome.num_output.tolist()
+        return [tokens[i][: num_output[i]] for i in range(len(items))]
 
     def _suppress_stop_tokens(self, logits: torch.Tensor, sampling: list[Request]) -> None:
         """Below ``min_tokens``, EOS and stop tokens cannot be sampled (as HF min_new_tokens)."""

@@ -16,6 +16,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.engine_loop import EngineStopped
 from engine.transport import TransportError, TransportUnavailable
 
 REQUEST_ID_KEY = "x-request-id"
@@ -40,6 +41,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, exc.message
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, EngineStopped):
+        return grpc.StatusCode.UNAVAILABLE, "this worker's engine is stopped"
     if isinstance(exc, TransportUnavailable):
         return grpc.StatusCode.FAILED_PRECONDITION, f"KV transport unavailable here: {exc}"
     if isinstance(exc, TransportError):

@@ -38,7 +38,8 @@ class WorkerBase:
         self.metrics = WorkerMetrics.create(self.role_name)
         self.aio_loop = asyncio.get_running_loop()
         self.queues: dict[str, asyncio.Queue[Any]] = {}
-        self.loop = EngineLoop(engine, self._on_outputs_threadsafe, on_tick=self.on_tick)
+        self.loop = EngineLoop(engine, self._on_outputs_threadsafe, on_tick=self.on_tick,
+                               on_failure=self._on_engine_failure)
         self.registration: RegistrationClient | None = None
         self.num_in_transfer_blocks = 0  # engine thread writes, others read (an int: atomic)
 
@@ -52,6 +53,18 @@ class WorkerBase:
             queue = self.queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+
+    def _on_engine_failure(self, exc: BaseException) -> None:
+        """Engine thread: the engine is unusable. Fail every stream now (never a hang) and
+        report DRAINING so the gateway routes nothing new here."""
+        def fail_all() -> None:
+            error = grpc_util.ServiceError(grpc.StatusCode.INTERNAL, f"engine failed: {exc}")
+            for queue in self.queues.values():
+                queue.put_nowait(error)
+            if self.registration is not None:
+                self.registration.state = common_pb2.WORKER_STATE_DRAINING
+
+        self.aio_loop.call_soon_threadsafe(fail_all)
 
     def push_threadsafe(self, request_id: str, item: Any) -> None:
         """Hand ``item`` (an output or an exception) to a request's stream from any thread."""

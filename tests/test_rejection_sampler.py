@@ -15,6 +15,7 @@ from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.rejection_sampler import (
     PADDING_TOKEN_ID,
     RejectionOutput,
+    greedy_verify,
     rejection_sample,
 )
 
@@ -362,6 +363,33 @@ def test_output_layout_for_any_batch(num_rows: int, max_k: int, ngram: bool, see
     assert bool((emitted_probs[is_output] > 0).all())
 
 
+@settings(max_examples=50, deadline=None)
+@given(num_rows=st.integers(1, 6), max_k=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_greedy_verify_is_the_greedy_rule_of_rejection_sample(num_rows: int, max_k: int, seed: int) -> None:
+    """The host-side fast path emits exactly what rejection_sample emits for greedy rows."""
+    generator = torch.Generator().manual_seed(seed)
+    target_probs = _probs(num_rows, max_k + 1, VOCAB_SIZE, seed=seed)
+    target_argmax = target_probs.argmax(dim=2)
+    # Drafts that mostly agree with the target, so every acceptance length occurs.
+    draft_token_ids = target_argmax[:, :max_k].clone()
+    flip = torch.rand(num_rows, max_k, generator=generator) < 0.3
+    draft_token_ids[flip] = torch.randint(0, VOCAB_SIZE, (int(flip.sum()),), generator=generator)
+    num_draft = torch.randint(0, max_k + 1, (num_rows,), generator=generator)
+    out = _greedy(draft_token_ids, num_draft, target_probs)
+    for i in range(num_rows):
+        k = int(num_draft[i])
+        fast = greedy_verify(draft_token_ids[i, :k].tolist(), target_argmax[i, : k + 1].tolist())
+        assert fast == out.output_token_ids[i, : int(out.num_output[i])].tolist()
+
+
+def test_greedy_verify_by_hand_and_bad_lengths() -> None:
+    assert greedy_verify([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all accepted + bonus
+    assert greedy_verify([4, 9, 6], [4, 5, 6, 7]) == [4, 5]  # recovered at position 1
+    assert greedy_verify([], [3]) == [3]  # no drafts: the bonus of position 0
+    with pytest.raises(ValueError, match="one target token per draft"):
+        greedy_verify([1, 2], [1, 2])
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -415,8 +443,19 @@ def test_stats_count_a_hand_made_example() -> None:
     assert (stats_.num_drafts, stats_.accepted_per_position) == (5, [4, 2, 1])
 
 
+def test_stats_take_lists_as_tensors() -> None:
+    from_lists, from_tensors = SpecDecodeStats(), SpecDecodeStats()
+    from_lists.observe([3, 0, 2, 3], [3, 0, 1, 0])
+    from_tensors.observe(torch.tensor([3, 0, 2, 3]), torch.tensor([3, 0, 1, 0]))
+    assert from_lists == from_tensors
+
+
 def test_stats_reject_inconsistent_counts() -> None:
     with pytest.raises(ValueError, match="num_accepted must lie"):
         SpecDecodeStats().observe(torch.tensor([2]), torch.tensor([3]))
     with pytest.raises(ValueError, match=r"\[num_rows\]"):
         SpecDecodeStats().observe(torch.tensor([2, 1]), torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"\[num_rows\]"):
+        SpecDecodeStats().observe(torch.tensor([[2]]), torch.tensor([[1]]))
+    with pytest.raises(ValueError, match="num_accepted must lie"):
+        SpecDecodeStats().observe([1, 2], [0, -1])

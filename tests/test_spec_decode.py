@@ -11,6 +11,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.proposers import DraftModelProposer, NgramDraftProposer
 from tests.conftest import mixed_prompts
 from tests.test_engine_parity import make_engine
 
@@ -147,7 +148,7 @@ def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "ngram_draft"])
 def test_sampling_preserves_target_distribution(method: str, ckpt_dir: Callable[..., Path]) -> None:
     vocab = 32
     path = ckpt_dir("llama", vocab_size=vocab, _seed=31)
@@ -155,8 +156,11 @@ def test_sampling_preserves_target_distribution(method: str, ckpt_dir: Callable[
     # Every token occurs in the prompt, so n-gram lookup proposes a draft after any first token.
     prompt = list(range(vocab)) + [5, 9, 3]
     target_marginal = _marginal_second_token(path, prompt)
-    spec = SpeculativeConfig(method=method, draft_model=str(draft) if method == "draft_model" else None,
-                             num_speculative_tokens=1, max_batch_size=4096)
+    # ngram_draft with ngram_min=2: lookup drafts after t1 = 4 (the pair [3, 4] recurs),
+    # the draft model after every other t1, so both kinds of rows verify in one batch.
+    spec = SpeculativeConfig(method=method, draft_model=str(draft) if method != "ngram" else None,
+                             num_speculative_tokens=1, max_batch_size=4096,
+                             ngram_min=2 if method == "ngram_draft" else None)
     engine = make_engine(path, speculative=spec, num_kv_blocks=4096, max_num_seqs=1024,
                          max_num_batched_tokens=16384, max_model_len=64)
     torch.manual_seed(2024)
@@ -169,8 +173,148 @@ def test_sampling_preserves_target_distribution(method: str, ckpt_dir: Callable[
     # The test has power: the draft's (or the n-gram's) proposal distribution is rejected.
     if method == "draft_model":
         assert _chi_square_p(counts, _marginal_second_token(draft, prompt)) < 0.001
-    else:  # n-gram drafts: the token after t1's last occurrence in the prompt, i.e. t1 + 1
+    elif method == "ngram":  # n-gram drafts: the token after t1's last occurrence in the prompt, i.e. t1 + 1
         p1 = _marginal_first_token(path, prompt)
         proposal = torch.roll(p1, 1)  # P(draft = t1 + 1)
         assert _chi_square_p(counts, proposal) < 0.001
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batch1_draft_path_proposes_what_the_batched_path_does(
+    temperature: float, ckpt_dir: Callable[..., Path]
+) -> None:
+    """One request goes through the draft's lean single-sequence forward; the same request
+    through the batched path gets the same drafts (and, sampling, the same draft_probs)."""
+    path = ckpt_dir("llama")
+    draft = ckpt_dir("llama", num_hidden_layers=1, _seed=5)
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(draft), num_speculative_tokens=4)
+    engine = spec_engine(path, spec)
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=40, ignore_eos=True)
+    rid = engine.add_request(mixed_prompts(5, 512, seed=4, max_len=40)[4], params)
+    proposer = engine.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    before: list[tuple[int, torch.Tensor]] = []
+    propose = proposer.propose
+
+    def recording_propose(requests: list, ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        before.append((requests[0].draft_num_computed, requests[0].generator.get_state()))
+        propose(requests, ks, block_ids)
+
+    proposer.propose = recording_propose  # type: ignore[method-assign]
+    for _ in range(6):
+        engine.step()
+    request = engine.scheduler.requests[rid]
+    lean = (request.spec_token_ids, request.draft_probs, request.draft_num_computed)
+    request.draft_num_computed, generator_state = before[-1]
+    request.generator.set_state(generator_state)
+    with torch.inference_mode():
+        proposer._propose_batch([request], [len(lean[0])], {rid: engine.kv.block_ids(rid)})
+    assert lean[0] == request.spec_token_ids and len(lean[0]) == 4
+    assert lean[2] == request.draft_num_computed
+    if temperature == 0.0:
+        assert lean[1] is None  # greedy drafts carry no distribution
+    else:
+        torch.testing.assert_close(lean[1], request.draft_probs, rtol=1e-5, atol=1e-6)
+
+
+def test_batch1_draft_path_greedy_identical_one_request_at_a_time(ckpt_dir: Callable[..., Path]) -> None:
+    path = ckpt_dir("qwen3")
+    prompts = mixed_prompts(4, 512, seed=21, max_len=90)
+    base = make_engine(path).generate(prompts, GREEDY)
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(path), num_speculative_tokens=3)
+    engine = spec_engine(path, spec)
+    outs = [engine.generate([p], GREEDY)[0] for p in prompts]  # batch 1: the lean path
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    engine.check_integrity()
+    assert engine.num_free_blocks == 512
+
+
+def test_ngram_draft_uses_lookup_where_the_context_repeats(ckpt_dir: Callable[..., Path]) -> None:
+    """Repetitive prompts get lookup drafts, random ones the draft model's; greedy output
+    is unchanged either way, at batch 1 (lean draft path) and batched."""
+    path = ckpt_dir("llama")
+    draft = ckpt_dir("llama", num_hidden_layers=1, _seed=5)
+    prompts = repetitive_prompts(3, seed=2) + mixed_prompts(5, 512, seed=8, min_len=20, max_len=80)
+    base = make_engine(path).generate(prompts, GREEDY)
+    spec = SpeculativeConfig(method="ngram_draft", draft_model=str(draft), num_speculative_tokens=4,
+                             max_batch_size=16)
+    assert spec.min_ngram_len == 3
+    engine = spec_engine(path, spec)
+    assert isinstance(engine.proposer, NgramDraftProposer)
+    proposer = engine.proposer
+    by_lookup: list[str] = []
+    by_draft: list[str] = []
+    ngram_propose, draft_propose = proposer.ngram.propose, proposer.draft.propose
+
+    lookup_lens: list[int] = []
+
+    def lookup(requests: list, ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        ngram_propose(requests, ks, block_ids)
+        by_lookup.extend(r.request_id for r in requests if r.spec_token_ids)
+        lookup_lens.extend(len(r.spec_token_ids) for r in requests if r.spec_token_ids)
+
+    def draft_model(requests: list, ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        assert not any(r.spec_token_ids for r in requests)  # only what lookup left
+        assert max(ks) <= 4  # the draft model's k
+        by_draft.extend(r.request_id for r in requests)
+        draft_propose(requests, ks, block_ids)
+
+    proposer.ngram.propose = lookup  # type: ignore[method-assign]
+    proposer.draft.propose = draft_model  # type: ignore[method-assign]
+    batched = engine.generate(prompts, GREEDY)
+    one_by_one = [engine.generate([p], GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in base]
+    assert [o.token_ids for o in one_by_one] == [o.token_ids for o in base]
+    random_ids = {o.request_id for o in batched[3:] + one_by_one[3:]}
+    assert by_lookup and random_ids <= set(by_draft)  # both proposers served
+    assert max(lookup_lens) == spec.lookup_len == 8  # lookup runs to 2k
+    assert engine.spec_stats.num_accepted_tokens > 0
+    engine.check_integrity()
+    assert engine.num_free_blocks == 512
+
+
+def test_lookup_len_defaults_by_method() -> None:
+    assert (SpeculativeConfig(method="ngram").lookup_len, SpeculativeConfig(method="ngram").max_num_drafts) == (4, 4)
+    hybrid = SpeculativeConfig(method="ngram_draft", draft_model="d", num_speculative_tokens=5)
+    assert (hybrid.lookup_len, hybrid.max_num_drafts) == (10, 10)
+    assert SpeculativeConfig(method="ngram_draft", draft_model="d", num_speculative_tokens=12).lookup_len == 16
+    assert SpeculativeConfig(method="ngram_draft", draft_model="d", num_lookup_tokens=2).max_num_drafts == 4
+    assert SpeculativeConfig(method="draft_model", draft_model="d", num_lookup_tokens=9).max_num_drafts == 4
+    with pytest.raises(ValueError, match="num_lookup_tokens"):
+        SpeculativeConfig(num_lookup_tokens=17)
+
+
+def test_ngram_min_defaults_by_method() -> None:
+    assert SpeculativeConfig(method="ngram").min_ngram_len == 1
+    assert SpeculativeConfig(method="ngram_draft", draft_model="d").min_ngram_len == 3
+    assert SpeculativeConfig(method="ngram_draft", draft_model="d", ngram_min=2).min_ngram_len == 2
+    with pytest.raises(ValueError, match="draft_model"):
+        SpeculativeConfig(method="ngram_draft")
+    with pytest.raises(ValueError, match="ngram_min"):
+        SpeculativeConfig(method="ngram_draft", draft_model="d", ngram_max=2)  # default min 3 > max
+
+
+def test_draft_runs_on_one_intra_op_thread(ckpt_dir: Callable[..., Path]) -> None:
+    """The draft's tiny ops run single-threaded; the engine's thread count comes back."""
+    path = ckpt_dir("llama")
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(path), num_speculative_tokens=2)
+    try:
+        engine = spec_engine(path, spec, num_threads=2)
+        proposer = engine.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        seen: list[int] = []
+        forward_sequence = proposer.model.forward_sequence
+
+        def recording(*args: object) -> torch.Tensor:
+            seen.append(torch.get_num_threads())
+            return forward_sequence(*args)  # type: ignore[arg-type]
+
+        proposer.model.forward_sequence = recording  # type: ignore[method-assign]
+        engine.generate([mixed_prompts(5, 512, seed=2, max_len=30)[4]], GREEDY)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)  # the suite's setting (conftest)

@@ -11,6 +11,7 @@ cast, the same rotate-half RoPE), so greedy outputs match ``generate`` token for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +56,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
+
+    ``signed_sin = [-sin1, sin2]`` carries the sign, so the rotation is a roll by half the
+    head: ``x2 * -sin1`` is exactly ``-x2 * sin1`` in IEEE arithmetic, so the values are
+    transformers' bit for bit, with two kernels fewer per call.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaModel:
@@ -121,7 +127,9 @@ class LlamaModel:
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(self.dtype).to(self.device)  # [max_len, head_dim]
-        self.sin = (emb.sin() * scaling).to(self.dtype).to(self.device)
+        sin = (emb.sin() * scaling).to(self.dtype)
+        half = sin.shape[-1] // 2
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device)
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -129,44 +137,106 @@ class LlamaModel:
 
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
         """
-        spec = self.spec
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            return ops.paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, self.scale
+            )
+
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[batch.positions].unsqueeze(1)
+        sin = self.signed_sin[batch.positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cos, sin, batch, kv_cache)
-        x = x[batch.logits_indices]
-        x = rms_norm(x, self.final_norm, spec.rms_norm_eps)
+            x = self._layer(i, layer, x, cos, sin, attend)
+        return self._logits(x[batch.logits_indices])
+
+    def forward_sequence(
+        self, token_ids: list[int], start_position: int, block_ids: list[int], kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``[vocab]`` (float32) of the last of ``token_ids``: one sequence, its tokens
+        at ``start_position``, ``start_position + 1``, ... with the earlier positions' K/V
+        already in its pages ``block_ids``.
+
+        The lean path for one short sequence (a draft model's batch-1 decode): no
+        ``ForwardBatch``, no host syncs, one K/V write and one gather of the context's
+        slots per layer.
+        Same arithmetic as ``forward`` except attention, which runs one SDPA call over the
+        gathered context instead of the paged-attention op, so results agree to float
+        rounding, not bit for bit.
+        """
+        num_tokens = len(token_ids)
+        seq_len = start_position + num_tokens
+        block_size = kv_cache.shape[3]
+        if num_tokens < 1 or seq_len > len(block_ids) * block_size:
+            raise ValueError(
+                f"need 1 <= len(token_ids) and start_position + len(token_ids) = {seq_len} <= "
+                f"len(block_ids) * block_size = {len(block_ids) * block_size}"
+            )
+        device = self.device
+        spec = self.spec
+        # Slot of every position of the sequence, then the new tokens' among them.
+        pages = torch.tensor(block_ids[: -(-seq_len // block_size)], device=device)  # [num_pages]
+        offsets = torch.arange(block_size, device=device)
+        context_slots = (pages[:, None] * block_size + offsets).view(-1)[:seq_len]  # [seq_len]
+        new_slots = context_slots[start_position:]  # [t]
+        mask = None
+        if num_tokens > 1:  # query j (position start + j) sees keys 0 .. start + j
+            key_pos = torch.arange(seq_len, device=device)
+            mask = key_pos[None, :] <= torch.arange(start_position, seq_len, device=device)[:, None]
+        flat_cache = kv_cache.view(spec.num_layers, 2, -1, spec.num_kv_heads, spec.head_dim)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache = flat_cache[i]  # [2, num_slots, kv_heads, D]
+            cache.index_copy_(1, new_slots, torch.stack((k, v)))
+            # [2, 1, kv_heads, seq_len, D]: 4-d operands (CPU SDPA is ~2x slower on 3-d ones)
+            context = cache.index_select(1, context_slots).transpose(1, 2).unsqueeze(1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), context[0], context[1], attn_mask=mask,
+                scale=self.scale, enable_gqa=spec.num_heads != spec.num_kv_heads,
+            )  # [1, heads, t, D]
+            return out[0].transpose(0, 1)
+
+        x = F.embedding(torch.tensor(token_ids, device=device), self.embed)  # [t, hidden]
+        cos = self.cos[start_position:seq_len].unsqueeze(1)  # [t, 1, head_dim]
+        sin = self.signed_sin[start_position:seq_len].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, cos, sin, attend)
+        return self._logits(x[-1:])[0]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
     def _layer(
         self,
         i: int,
         layer: _Layer,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        kv_cache: torch.Tensor,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim], signed (see apply_rope)
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
+        """One decoder layer; ``attend(i, q, k, v)`` stores the new K/V of layer i and
+        returns the attention output ``[T, num_heads, head_dim]``."""
         spec = self.spec
         num_tokens = x.shape[0]
         h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
         qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
-        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        q = q.view(num_tokens, spec.num_heads, spec.head_dim)
-        k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        num_qk_heads = spec.num_heads + spec.num_kv_heads
+        qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, num_qk_heads, spec.head_dim)
+        v = qkv[:, spec.q_size + spec.kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        attn = ops.paged_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, self.scale
-        )
+            q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
+            qk = torch.cat(
+                [rms_norm(q, layer.q_norm, spec.rms_norm_eps), rms_norm(k, layer.k_norm, spec.rms_norm_eps)],
+                dim=1,
+            )
+        # RoPE on q and k at once: elementwise, so the same values as rotating each apart.
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
+        attn = attend(i, q, k, v)
         x = x + F.linear(attn.reshape(num_tokens, spec.q_size), layer.o_weight)
         h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
         gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)

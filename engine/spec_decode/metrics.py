@@ -6,6 +6,7 @@ one step (rows with no draft tokens that step are not counted).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,25 +42,37 @@ class SpecDecodeStats:
 
     def observe(
         self,
-        num_draft_tokens: torch.Tensor,  # [num_rows] int64
-        num_accepted: torch.Tensor,  # [num_rows] int64, 0..num_draft_tokens[i]
+        num_draft_tokens: torch.Tensor | Sequence[int],  # [num_rows] int
+        num_accepted: torch.Tensor | Sequence[int],  # [num_rows] int, 0..num_draft_tokens[i]
     ) -> None:
-        """Add one step (``RejectionOutput.num_accepted`` and the ``num_draft_tokens`` verified)."""
-        if num_draft_tokens.dim() != 1 or num_accepted.shape != num_draft_tokens.shape:
+        """Add one step (``RejectionOutput.num_accepted`` and the ``num_draft_tokens`` verified).
+
+        Host bookkeeping: tensors are read once with ``tolist``, lists are taken as they are."""
+        drafts, accepted = _as_list(num_draft_tokens), _as_list(num_accepted)
+        if drafts is None or accepted is None or len(drafts) != len(accepted):
             raise ValueError(
-                f"num_draft_tokens and num_accepted must both be [num_rows], got "
-                f"{tuple(num_draft_tokens.shape)} and {tuple(num_accepted.shape)}"
+                "num_draft_tokens and num_accepted must both be [num_rows], got "
+                f"{_shape(num_draft_tokens)} and {_shape(num_accepted)}"
             )
-        num_draft_tokens, num_accepted = num_draft_tokens.long().cpu(), num_accepted.long().cpu()
-        if bool(((num_accepted < 0) | (num_accepted > num_draft_tokens)).any()):
+        if any(not 0 <= a <= d for d, a in zip(drafts, accepted)):
             raise ValueError("num_accepted must lie in [0, num_draft_tokens] in every row")
-        # count[n]: rows with exactly n accepted; position j was accepted in rows with n > j.
-        count = torch.bincount(num_accepted)  # [max accepted + 1]
-        accepted_at = count.flip(0).cumsum(0).flip(0)[1:].tolist()  # [max accepted]
-        if len(accepted_at) > len(self.accepted_per_position):
-            self.accepted_per_position += [0] * (len(accepted_at) - len(self.accepted_per_position))
-        for position, num in enumerate(accepted_at):
-            self.accepted_per_position[position] += num
-        self.num_drafts += int((num_draft_tokens > 0).sum())
-        self.num_draft_tokens += int(num_draft_tokens.sum())
-        self.num_accepted_tokens += int(num_accepted.sum())
+        longest = max(accepted, default=0)
+        if longest > len(self.accepted_per_position):
+            self.accepted_per_position += [0] * (longest - len(self.accepted_per_position))
+        for num in accepted:  # position j was accepted in every row with num > j
+            for position in range(num):
+                self.accepted_per_position[position] += 1
+        self.num_drafts += sum(1 for d in drafts if d > 0)
+        self.num_draft_tokens += sum(drafts)
+        self.num_accepted_tokens += sum(accepted)
+
+
+def _as_list(values: torch.Tensor | Sequence[int]) -> list[int] | None:
+    """A 1-d tensor or a sequence of ints as a list; None for anything else."""
+    if isinstance(values, torch.Tensor):
+        return [int(v) for v in values.tolist()] if values.dim() == 1 else None
+    return [int(v) for v in values]
+
+
+def _shape(values: torch.Tensor | Sequence[int]) -> tuple[int, ...]:
+    return tuple(values.shape) if isinstance(values, torch.Tensor) else (len(values),)

@@ -8,6 +8,8 @@ chose to speculate this step. The target verifies them in the next step's forwar
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -28,13 +30,18 @@ class Proposer(ABC):
 
 
 class NgramProposer(Proposer):
+    """Prompt lookup (``propose_ngram``), copying on over its own proposal where the match
+    runs into the end of the sequence (``repeat``)."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.min_n = config.ngram_min
+        self.min_n = config.min_ngram_len
         self.max_n = config.ngram_max
 
     def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
         for request, k in zip(requests, ks):
-            request.spec_token_ids = propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)
+            request.spec_token_ids = propose_ngram(
+                request.all_token_ids, k, self.min_n, self.max_n, repeat=True
+            )
             request.draft_probs = None
 
 
@@ -46,6 +53,11 @@ class DraftModelProposer(Proposer):
     proposal first catches the draft up on the tokens it has not seen (the prompt on the
     first call, then the tokens accepted or resampled in the last verify), then runs k - 1
     single-token steps, all batched across requests.
+
+    A single request (batch-1 decode, where a draft forward costs mostly fixed per-call
+    overhead) takes ``LlamaModel.forward_sequence`` instead: no ``ForwardBatch`` or
+    sampling metadata per draft step, and greedy drafts are plain argmaxes without
+    ``draft_probs`` (the verifier ignores a greedy row's draft distribution anyway).
     """
 
     def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
@@ -73,6 +85,39 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        with _one_intra_op_thread():
+            if len(requests) == 1:
+                self._propose_one(requests[0], ks[0], block_ids[requests[0].request_id])
+            else:
+                self._propose_batch(requests, ks, block_ids)
+
+    def _propose_one(self, request: Request, k: int, block_ids: list[int]) -> None:
+        """One request (batch-1 decode): the model's lean single-sequence forward, no
+        ``ForwardBatch``; greedy drafts are argmaxes and carry no ``draft_probs``."""
+        params = request.sampling_params
+        start = request.draft_num_computed
+        logits = self.model.forward_sequence(request.all_token_ids[start:], start, block_ids, self.kv_cache)
+        metadata = None
+        if not params.greedy:
+            metadata = SamplingMetadata.build([params], [request.all_token_ids], [request.generator], self.device)
+        drafts: list[int] = []
+        probs: list[torch.Tensor] = []
+        for j in range(k):
+            if j > 0:  # run the previous draft at its position, num_tokens - 1 + j
+                logits = self.model.forward_sequence(
+                    drafts[-1:], request.num_tokens - 1 + j, block_ids, self.kv_cache
+                )
+            if metadata is None:
+                drafts.append(int(logits.argmax()))
+            else:
+                row_probs = compute_probs(logits.unsqueeze(0), metadata)  # [1, vocab]
+                drafts.append(int(random_sample(row_probs, metadata.generators)[0]))
+                probs.append(row_probs[0])
+        request.spec_token_ids = drafts
+        request.draft_probs = torch.stack(probs) if probs else None
+        request.draft_num_computed = request.num_tokens + k - 1
+
+    def _propose_batch(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
         metadata = SamplingMetadata.build(
             [r.sampling_params for r in requests],
             [r.all_token_ids for r in requests],
@@ -121,6 +166,27 @@ class DraftModelProposer(Proposer):
         return random_sample(probs, generators), probs
 
 
+@contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Run the block with one torch intra-op thread, then restore the engine's count.
+
+    A draft forward is ~180 ops on a few hundred numbers each; with more threads, the ops
+    that parallelise regardless of size (SDPA, index ops) pay an OpenMP fork/join each,
+    which costs more than the op (a batch-1 draft forward took ~1.0 ms with 2 threads,
+    ~0.6 ms with 1, on an idle 2-core machine). The target keeps its threads. Setting the
+    count costs well under a microsecond; the engine loop is the only caller.
+    """
+    num_threads = torch.get_num_threads()
+    if num_threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
+
+
 def _select_rows(metadata: SamplingMetadata, rows: list[int], requests: list[Request]) -> SamplingMetadata:
     if len(rows) == len(requests):
         return metadata
@@ -132,7 +198,32 @@ def _select_rows(metadata: SamplingMetadata, rows: list[int], requests: list[Req
     )
 
 
+class NgramDraftProposer(Proposer):
+    """Prompt lookup where the context repeats, the draft model everywhere else.
+
+    A request whose suffix of at least ``ngram_min`` tokens recurs takes the lookup's
+    drafts (free, deterministic: ``draft_probs`` None), up to ``lookup_len`` of them; the
+    others go to the draft model in one batch, up to ``num_speculative_tokens`` each. The draft's KV simply falls behind while lookup serves a request: its next
+    draft-model proposal catches up on every token since (one forward of a few tokens).
+    Sampling stays exact per row, whichever proposer drafted it (the verifier treats a
+    lookup draft as probability 1 on its token).
+    """
+
+    def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
+        self.ngram = NgramProposer(config)
+        self.draft = DraftModelProposer(config, target)
+        self.max_draft_len = config.num_speculative_tokens
+
+    def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
+        self.ngram.propose(requests, ks, block_ids)
+        rest = [(r, min(k, self.max_draft_len)) for r, k in zip(requests, ks) if not r.spec_token_ids]
+        if rest:
+            self.draft.propose([r for r, _ in rest], [k for _, k in rest], block_ids)
+
+
 def make_proposer(config: SpeculativeConfig, target: ModelRunner) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "ngram_draft":
+        return NgramDraftProposer(config, target)
     return DraftModelProposer(config, target)

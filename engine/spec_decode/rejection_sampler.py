@@ -48,7 +48,7 @@ import torch
 
 from engine.sampler import random_sample
 
-__all__ = ["PADDING_TOKEN_ID", "RejectionOutput", "rejection_sample"]
+__all__ = ["PADDING_TOKEN_ID", "RejectionOutput", "greedy_verify", "rejection_sample"]
 
 PADDING_TOKEN_ID = -1  # fills output_token_ids after each row's last emitted token
 
@@ -114,6 +114,27 @@ def rejection_sample(
     )
     output_token_ids.scatter_(1, num_accepted.unsqueeze(1), last_token_ids.unsqueeze(1))
     return RejectionOutput(output_token_ids, num_accepted, num_accepted + 1)
+
+
+def greedy_verify(draft_token_ids: list[int], target_token_ids: list[int]) -> list[int]:
+    """The greedy rule of ``rejection_sample`` for one row, on host lists: the drafts that
+    equal the target argmax, then the argmax at the first mismatch (recovered) or after the
+    last draft (bonus). ``target_token_ids`` holds the argmax at the k + 1 positions.
+
+    For all-greedy steps the runner takes one argmax over the logits and calls this per
+    row: no probabilities, no padded [rows, k + 1, vocab] tensors.
+    """
+    if len(target_token_ids) != len(draft_token_ids) + 1:
+        raise ValueError(
+            f"need one target token per draft plus the bonus position: "
+            f"{len(target_token_ids)} != {len(draft_token_ids)} + 1"
+        )
+    num_accepted = 0
+    for draft, target in zip(draft_token_ids, target_token_ids):
+        if draft != target:
+            break
+        num_accepted += 1
+    return draft_token_ids[:num_accepted] + [target_token_ids[num_accepted]]
 
 
 def _sampled_acceptance(

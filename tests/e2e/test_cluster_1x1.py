@@ -281,3 +281,24 @@ def test_up_and_generate_commands_from_the_readme(tmp_path) -> None:  # noqa: AN
     assert "finish_reason=FINISH_REASON_LENGTH" in gen.stderr and "transfer_bytes=0]" not in gen.stderr
     assert up.returncode == 0, up_err.decode()[-2000:]
     assert '"up.stopped"' in up_err.decode()
+
+
+def test_one_token_requests_and_logprobs_through_the_split(cluster: Cluster) -> None:
+    engine = Engine(EngineConfig(model=MODEL, num_threads=1))
+    prompt = list(range(700, 764))  # remote prefill
+    one = stream(cluster.addresses["gateway"], make_request(prompt, 1))
+    want_one = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert one.error is None and one.token_ids == want_one.token_ids
+    assert one.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    request = make_request(prompt, 6)
+    request.sampling.logprobs = 2
+    with grpc.insecure_channel(cluster.addresses["gateway"]) as channel:
+        reply = gateway_pb2_grpc.GatewayStub(channel).GenerateUnary(request, timeout=60)
+    want = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, logprobs=2))[0]
+    assert list(reply.token_ids) == want.token_ids
+    assert [lp.token_id for lp in reply.logprobs] == want.token_ids
+    for got, lp, top in zip(reply.logprobs, want.logprobs, want.top_logprobs):
+        assert got.logprob == pytest.approx(lp, abs=1e-4)
+        assert set(got.top_logprobs) == set(top)
+    assert all(idle(s) for s in wait_all_free(cluster.addresses["gateway"]).values())

@@ -1,0 +1,79 @@
+"""EngineLoop: the engine's only thread; calls between steps, outputs handed off, failure stops it."""
+
+import threading
+
+import pytest
+
+from engine.engine_loop import EngineLoop, EngineStopped
+from engine.outputs import RequestOutput
+
+
+class FakeEngine:
+    """Steps while it has pending work; each step emits one output per pending id."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.pending: list[str] = []
+        self.num_steps = 0
+        self.fail_at = fail_at
+        self.thread_ids: set[int] = set()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        self.num_steps += 1
+        if self.num_steps == self.fail_at:
+            raise RuntimeError("boom")
+        done, self.pending = self.pending, []
+        return [RequestOutput(request_id=r, prompt_token_ids=[1], token_ids=[2], finished=True) for r in done]
+
+
+def test_calls_and_steps_run_on_one_thread_and_outputs_are_handed_off() -> None:
+    engine = FakeEngine()
+    got: list[str] = []
+    delivered = threading.Event()
+
+    def on_outputs(outs: list[RequestOutput]) -> None:
+        got.extend(o.request_id for o in outs)
+        if len(got) == 3:
+            delivered.set()
+
+    loop = EngineLoop(engine, on_outputs)
+    loop.start()
+    try:
+        for rid in ("a", "b", "c"):
+            assert loop.call(lambda e, rid=rid: (e.pending.append(rid), threading.get_ident())[1]).result(5)
+        assert delivered.wait(5)
+        assert sorted(got) == ["a", "b", "c"]
+        assert len(engine.thread_ids) == 1 and threading.get_ident() not in engine.thread_ids
+        assert loop.call(lambda e: threading.get_ident()).result(5) in engine.thread_ids
+    finally:
+        loop.stop()
+    with pytest.raises(EngineStopped):
+        loop.call(lambda e: None).result(5)
+
+
+def test_a_failing_step_stops_the_loop_and_reports_once() -> None:
+    engine = FakeEngine(fail_at=2)
+    failures: list[BaseException] = []
+    loop = EngineLoop(engine, lambda outs: None, on_failure=failures.append)
+    loop.start()
+    loop.call(lambda e: e.pending.append("x")).result(5)
+    loop.call(lambda e: e.pending.append("y")).result(5)
+    loop._thread.join(5)
+    assert not loop._thread.is_alive()
+    assert [str(f) for f in failures] == ["boom"] and str(loop.failure) == "boom"
+    with pytest.raises(EngineStopped):
+        loop.call(lambda e: None).result(5)
+
+
+def test_an_exception_in_a_call_goes_to_its_caller_only() -> None:
+    loop = EngineLoop(FakeEngine(), lambda outs: None)
+    loop.start()
+    try:
+        with pytest.raises(ValueError, match="bad"):
+            loop.call(lambda e: (_ for _ in ()).throw(ValueError("bad"))).result(5)
+        assert loop.call(lambda e: 7).result(5) == 7
+    finally:
+        loop.stop()

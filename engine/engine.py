@@ -370,7 +370,7 @@ class Engine:
             return 0  # history-dependent penalties and logprobs: one token per step
         if request.num_output_tokens < params.min_tokens:
             return 0
-        k = spec.num_speculative_tokens
+        k = spec.max_num_drafts
         if params.num_speculative_tokens is not None:
             k = min(k, params.num_speculative_tokens)
         remaining = params.max_tokens - request.num_output_tokens - 1

@@ -249,12 +249,16 @@ def test_ngram_draft_uses_lookup_where_the_context_repeats(ckpt_dir: Callable[..
     by_draft: list[str] = []
     ngram_propose, draft_propose = proposer.ngram.propose, proposer.draft.propose
 
+    lookup_lens: list[int] = []
+
     def lookup(requests: list, ks: list[int], block_ids: dict[str, list[int]]) -> None:
         ngram_propose(requests, ks, block_ids)
         by_lookup.extend(r.request_id for r in requests if r.spec_token_ids)
+        lookup_lens.extend(len(r.spec_token_ids) for r in requests if r.spec_token_ids)
 
     def draft_model(requests: list, ks: list[int], block_ids: dict[str, list[int]]) -> None:
         assert not any(r.spec_token_ids for r in requests)  # only what lookup left
+        assert max(ks) <= 4  # the draft model's k
         by_draft.extend(r.request_id for r in requests)
         draft_propose(requests, ks, block_ids)
 
@@ -266,9 +270,21 @@ def test_ngram_draft_uses_lookup_where_the_context_repeats(ckpt_dir: Callable[..
     assert [o.token_ids for o in one_by_one] == [o.token_ids for o in base]
     random_ids = {o.request_id for o in batched[3:] + one_by_one[3:]}
     assert by_lookup and random_ids <= set(by_draft)  # both proposers served
+    assert max(lookup_lens) == spec.lookup_len == 8  # lookup runs to 2k
     assert engine.spec_stats.num_accepted_tokens > 0
     engine.check_integrity()
     assert engine.num_free_blocks == 512
+
+
+def test_lookup_len_defaults_by_method() -> None:
+    assert (SpeculativeConfig(method="ngram").lookup_len, SpeculativeConfig(method="ngram").max_num_drafts) == (4, 4)
+    hybrid = SpeculativeConfig(method="ngram_draft", draft_model="d", num_speculative_tokens=5)
+    assert (hybrid.lookup_len, hybrid.max_num_drafts) == (10, 10)
+    assert SpeculativeConfig(method="ngram_draft", draft_model="d", num_speculative_tokens=12).lookup_len == 16
+    assert SpeculativeConfig(method="ngram_draft", draft_model="d", num_lookup_tokens=2).max_num_drafts == 4
+    assert SpeculativeConfig(method="draft_model", draft_model="d", num_lookup_tokens=9).max_num_drafts == 4
+    with pytest.raises(ValueError, match="num_lookup_tokens"):
+        SpeculativeConfig(num_lookup_tokens=17)
 
 
 def test_ngram_min_defaults_by_method() -> None:

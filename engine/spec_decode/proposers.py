@@ -202,9 +202,10 @@ class NgramDraftProposer(Proposer):
     """Prompt lookup where the context repeats, the draft model everywhere else.
 
     A request whose suffix of at least ``ngram_min`` tokens recurs takes the lookup's
-    drafts (free, deterministic: ``draft_probs`` None); the others go to the draft model in
-    one batch. The draft's KV simply falls behind while lookup serves a request: its next
-    draft-model proposal catches up on every token since (one forward of a few tokens).
+    drafts (free, deterministic: ``draft_probs`` None), up to ``lookup_len`` of them; the
+    others go to the draft model in one batch, up to ``num_speculative_tokens`` each. The
+    draft's KV simply falls behind while lookup serves a request: its next draft-model
+    proposal catches up on every token since (one forward of a few tokens).
     Sampling stays exact per row, whichever proposer drafted it (the verifier treats a
     lookup draft as probability 1 on its token).
     """
@@ -212,10 +213,11 @@ class NgramDraftProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
         self.ngram = NgramProposer(config)
         self.draft = DraftModelProposer(config, target)
+        self.max_draft_len = config.num_speculative_tokens
 
     def propose(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
         self.ngram.propose(requests, ks, block_ids)
-        rest = [(r, k) for r, k in zip(requests, ks) if not r.spec_token_ids]
+        rest = [(r, min(k, self.max_draft_len)) for r, k in zip(requests, ks) if not r.spec_token_ids]
         if rest:
             self.draft.propose([r for r, _ in rest], [k for _, k in rest], block_ids)
 

@@ -11,10 +11,11 @@ Per deployment mode, on one event loop:
 
 The figure is the inter-token latency of the decode clients' requests over the gaps that
 ended while the long prompts were arriving or running (``[first long send, last long end]``).
-Colocated runs once on all the cores and, when that is more than one, once on a single
-thread (a small model can decode faster on one); the ratio takes the better of them. Colocated, each long prompt's prefill shares a batch with the running decodes and stalls them
-for the whole forward; disaggregated, it runs on the prefill worker and the decode worker
-only admits the received pages. ``itl_p99_ratio`` = disaggregated / colocated P99.
+Colocated, each long prompt's prefill shares a batch with the running decodes and stalls
+them for the whole forward; disaggregated, it runs on the prefill worker and the decode
+worker only admits the received pages. Colocated runs on all the cores and, when that is
+more than one, also on a single thread (a small model can decode faster on one);
+``itl_p99_ratio`` = disaggregated P99 / the better colocated variant's P99.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from splitserve.benchmark.workloads import LengthDist, RequestSpec, synthetic
 DECODE_REQUESTS_PER_CLIENT = 200  # more than any run uses: the clients stop when told
 
 
-def make_requests(profile: InterferenceProfile, model: ModelInfo, seed: int) -> tuple[list[RequestSpec], list[RequestSpec]]:
-    if max(profile.decode_prompt.hi + profile.decode_output, profile.long_prompt.hi + profile.long_output) > model.max_model_len:
+def make_requests(profile: InterferenceProfile, model: ModelInfo,
+                  seed: int) -> tuple[list[RequestSpec], list[RequestSpec]]:
+    longest = max(profile.decode_prompt.hi + profile.decode_output, profile.long_prompt.hi + profile.long_output)
+    if longest > model.max_model_len:
         raise ValueError(f"interference lengths exceed the model's {model.max_model_len} positions")
     decode = synthetic(profile.decode_clients * DECODE_REQUESTS_PER_CLIENT, seed, model.vocab_size,
                        profile.decode_prompt, LengthDist(profile.decode_output, profile.decode_output), "decode")
@@ -80,8 +83,8 @@ def mode_figures(decode: Sequence[RequestRecord], long: Sequence[RequestRecord],
 
 
 def run_mode(address: str, profile: InterferenceProfile, model: ModelInfo, seed: int, mode: str,
-             progress: bool) -> tuple[dict, list[float]]:
-    """One mode's entry, and its ITLs under interference (seconds) for the plots."""
+             progress: bool) -> dict:
+    """One mode's report entry."""
     decode, long = make_requests(profile, model, seed)
     bar = ProgressBar(len(long), f"interference, {mode}", progress)
     load_before = os.getloadavg()[0]
@@ -90,34 +93,33 @@ def run_mode(address: str, profile: InterferenceProfile, model: ModelInfo, seed:
             _interfere(address, decode, long, profile, seed, bar))
     finally:
         bar.close()
-    used = decode_recs
-    entry = {
-        "figures": mode_figures(used, long_recs, window, decode_start),
-        "counts": {"num_decode_requests": len(used), "num_long_prompts": len(long_recs),
-                   "num_failed": sum(1 for r in [*used, *long_recs] if not r.ok),
-                   "num_itl_gaps_under_interference": len(metrics.all_itls_s(used, within=window))},
-        "errors": errors([*used, *long_recs]),
+    everything = [*decode_recs, *long_recs]
+    return {
+        "figures": mode_figures(decode_recs, long_recs, window, decode_start),
+        "counts": {"num_decode_requests": len(decode_recs), "num_long_prompts": len(long_recs),
+                   "num_failed": sum(1 for r in everything if not r.ok),
+                   "num_itl_gaps_under_interference": len(metrics.all_itls_s(decode_recs, within=window))},
+        "errors": errors(everything),
         "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
-        "requests": request_rows([*used, *long_recs], decode_start),
+        "requests": request_rows(everything, decode_start),
     }
-    return entry, metrics.all_itls_s(used, within=window)
 
 
 def run_interference(profile: InterferenceProfile, specs: dict[str, DeploymentSpec], pool: DeploymentPool,
                      model: ModelInfo, seed: int, progress: bool,
-                     keep: frozenset[DeploymentSpec] = frozenset()) -> tuple[dict, dict[str, list[float]]]:
+                     keep: frozenset[DeploymentSpec] = frozenset()) -> dict:
     """Each mode in turn (``specs``: "disaggregated", then one or more "colocated..." variants);
     a mode's deployment is stopped after its run unless it is in ``keep``."""
-    modes, itls = {}, {}
+    modes = {}
     for mode, spec in specs.items():
-        modes[mode], itls[mode] = run_mode(pool.address(spec), profile, model, seed, mode, progress)
+        modes[mode] = run_mode(pool.address(spec), profile, model, seed, mode, progress)
         modes[mode]["deployment"] = spec.describe()
         if spec not in keep:
             pool.release(spec)
     reference, figures = ratio_figures(modes)
     section = {"config": {k: (v.to_dict() if isinstance(v, LengthDist) else v) for k, v in vars(profile).items()},
                "modes": modes, "colocated_reference": reference, "figures": figures}
-    return section, itls
+    return section
 
 
 def ratio_figures(modes: dict) -> tuple[str | None, dict]:

@@ -52,7 +52,7 @@ def online_section(config: BenchConfig, pool: DeploymentPool) -> dict:
         say(f"online: starting {spec.mode} deployment of {config.model.name}")
         address, deployment = pool.address(spec), spec.describe()
     if config.custom_online is None:
-        section, _ = online.run_online(address, config.profile.online, model, config.slo, config.seed, config.progress)
+        section = online.run_online(address, config.profile.online, model, config.slo, config.seed, config.progress)
     else:
         section = online.run_custom(address, config.custom_online, config.profile.online.shapes, model,
                                     config.slo, config.seed, config.progress)
@@ -78,10 +78,9 @@ def interference_section(config: BenchConfig, pool: DeploymentPool, keep: set[De
     if config.profile.interference.colocated_one_thread and config.threads > 1:
         specs["colocated, 1 thread"] = replace(specs["colocated"], colocated_threads=1)
     say("interference: steady decodes + long prompts, disaggregated then colocated")
-    section, _ = interference.run_interference(config.profile.interference, specs, pool,
-                                               online.ModelInfo.read(config.model), config.seed, config.progress,
-                                               frozenset(keep))
-    return section
+    return interference.run_interference(config.profile.interference, specs, pool,
+                                        online.ModelInfo.read(config.model), config.seed, config.progress,
+                                        frozenset(keep))
 
 
 def peers_section(config: BenchConfig, pool: DeploymentPool) -> dict:
@@ -155,8 +154,9 @@ def run(config: BenchConfig, argv: list[str]) -> tuple[dict, list[str]]:
         report["cost"] = (cost_section(config, report["online"]) if not report_mod.is_skipped(report["online"])
                           else skipped("the online section did not run"))
         pool.retain(for_interference | for_peers)
-        report["interference"] = (_guarded("interference", lambda: interference_section(config, pool, for_peers), failures)
-                                  if "interference" in config.sections else not_requested)
+        report["interference"] = (
+            _guarded("interference", lambda: interference_section(config, pool, for_peers), failures)
+            if "interference" in config.sections else not_requested)
         pool.retain(for_peers)
         report["peers"] = (_guarded("peers", lambda: peers_section(config, pool), failures)
                            if "peers" in config.sections else not_requested)

@@ -31,7 +31,9 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _plan(plan: dict) -> str:
-    return f"closed, {plan['concurrency']} clients" if plan["mode"] == "closed" else f"open, {plan['rate_rps']:.3g} req/s"
+    if plan["mode"] == "closed":
+        return f"closed, {plan['concurrency']} clients"
+    return f"open, {plan['rate_rps']:.3g} req/s"
 
 
 def deployment_md(d: dict) -> str:
@@ -40,7 +42,8 @@ def deployment_md(d: dict) -> str:
         return f"the running deployment at `{d['gateway']}`"
     threads = " + ".join(f"{role} worker ({n} thread{'s' if n > 1 else ''})" for role, n in d["threads"].items())
     flags = " ".join(d.get("worker_flags", []))
-    return f"{d['mode']}, model `{Path(d['model']).name}`: gateway + {threads}" + (f"; worker flags `{flags}`" if flags else "")
+    line = f"{d['mode']}, model `{Path(d['model']).name}`: gateway + {threads}"
+    return line + (f"; worker flags `{flags}`" if flags else "")
 
 
 def online_md(section: dict) -> str:
@@ -136,7 +139,8 @@ def interference_md(section: dict) -> str:
     for mode, entry in section["modes"].items():
         f = entry["figures"]
         threads = ", ".join(f"{k} {v}" for k, v in entry["deployment"]["threads"].items())
-        rows.append([f"{mode} ({threads} threads)", _dist(f, "decode_itl_ms_baseline", "p50"), _dist(f, "decode_itl_ms_baseline", "p99"),
+        rows.append([f"{mode} ({threads} threads)", _dist(f, "decode_itl_ms_baseline", "p50"),
+                     _dist(f, "decode_itl_ms_baseline", "p99"),
                      _dist(f, "decode_itl_ms_under_interference", "p50"),
                      _dist(f, "decode_itl_ms_under_interference", "p90"),
                      _dist(f, "decode_itl_ms_under_interference", "p99"),
@@ -165,7 +169,8 @@ def render(report: dict, plots: list[str]) -> str:
         f"# splitserve bench — profile `{report['profile']}`\n\n",
         f"{report['timestamp']}, commit `{(report['git_commit'] or 'unknown')[:12]}`, {report['elapsed_s']:.0f} s. "
         f"Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch_version']}, load average "
-        f"{_num(m.get('load_average_1m'), '.2f')} at the start, {_num(report.get('load_average_end'), '.2f')} at the end.\n\n",
+        f"{_num(m.get('load_average_1m'), '.2f')} at the start, "
+        f"{_num(report.get('load_average_end'), '.2f')} at the end.\n\n",
         "## Goals\n\n", goals_md(report["goals"]),
         "\n## Online load\n\n", online_md(report["online"]),
         "\n## Cost\n\n", cost_md(report["cost"]),

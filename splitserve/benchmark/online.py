@@ -128,14 +128,14 @@ def sweep_rates(profile: OnlineProfile, capacity_rps: float) -> list[float]:
 
 
 def run_online(address: str, profile: OnlineProfile, model: ModelInfo, slo: Slo, seed: int,
-               progress: bool) -> tuple[dict, dict[str, list[RequestRecord]]]:
+               progress: bool) -> dict:
     """The capacity run, the rate sweep and the long-prompt mix against ``address``."""
-    runs, records = [], {}
+    runs: list[dict] = []
     shapes, sources = profile.shapes, {}
 
     def one(name: str, workload: str, num: int, plan: LoadPlan, run_seed: int) -> dict:
         reqs, sources[workload] = make_workload(workload, num, run_seed, shapes, model)
-        entry, records[name] = measure(address, name, workload, reqs, plan, slo, progress)
+        entry, _ = measure(address, name, workload, reqs, plan, slo, progress)
         runs.append(entry)
         return entry
 
@@ -153,7 +153,7 @@ def run_online(address: str, profile: OnlineProfile, model: ModelInfo, slo: Slo,
                "sweep": ("explicit rates" if profile.sweep_rates
                          else f"fractions {list(profile.sweep_fractions)} of the capacity run's request rate"),
                "workload_sources": sources, "runs": runs}
-    return section, records
+    return section
 
 
 def run_custom(address: str, custom: object, shapes: WorkloadShapes, model: ModelInfo, slo: Slo, seed: int,

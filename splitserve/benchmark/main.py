@@ -96,8 +96,8 @@ def peers_section(config: BenchConfig, pool: DeploymentPool) -> dict:
     def spec(mode: str) -> DeploymentSpec:
         return deployment_spec(config, mode, setup.model_dir, flags)
 
-    return peers.run_peers(config.profile.peers, setup, pool, spec, config.peer_thread_counts(), config.vllm_python,
-                           config.out_dir, say)
+    return peers.run_peers(config.profile.peers, setup, pool, spec, config.peer_thread_counts,
+                           config.vllm_python, config.out_dir, say)
 
 
 def _guarded(name: str, run: Callable[[], dict], failures: list[str]) -> dict:

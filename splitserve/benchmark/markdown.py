@@ -102,20 +102,27 @@ def _load(load: dict | None) -> str:
     return "–" if not load else f"{load['before']:.2f} → {load['after']:.2f}"
 
 
+def _threads(details: dict) -> str:
+    """"2 (of 1, 2)" for a best-of run, "1/1" for a deployment's workers."""
+    if "by_threads" in details:
+        tried = ", ".join(details["by_threads"])
+        return f"{details['threads']} (of {tried})" if len(details["by_threads"]) > 1 else str(details["threads"])
+    workers = details.get("deployment", {}).get("threads", {})
+    return "/".join(str(n) for n in workers.values()) or "–"
+
+
 def peers_md(section: dict) -> str:
     if is_skipped(section):
         return f"Skipped: {section['skipped']}\n"
     w = section["workload"]
     out = [f"Workload: {w['name']}; {w['num_requests']} prompts of {w['min_prompt_len']}–{w['max_prompt_len']} "
-           f"tokens, {w['output_len']} output tokens each, {w['decoding']}. In-process peers and vLLM ran with "
-           f"{' and '.join(map(str, section['thread_counts']))} thread(s); the better run counts (both are in the "
-           f"JSON). The deployments' threads are per worker.\n\n"]
+           f"tokens, {w['output_len']} output tokens each, {w['decoding']}. A system listed with two thread "
+           f"counts ran on each, and its better run counts; the deployments' threads are per worker.\n\n"]
     rows = []
     for row in section["systems"]:
         f = row["figures"]
         ok = row["status"] == "ok"
-        threads = row["details"].get("threads") or "/".join(
-            str(n) for n in row["details"].get("deployment", {}).get("threads", {}).values()) or "–"
+        threads = _threads(row["details"])
         rows.append([row["label"], row["status"] + ("" if ok else f": {row['reason']}"), str(threads),
                      str(row["counts"]["num_requests"]),
                      _num(f.get("seconds") if ok else None, ".2f"),

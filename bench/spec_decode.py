@@ -11,7 +11,8 @@ so prompt + output fits the model), 128 new tokens, greedy. Side by side in one 
   context repeats, the draft model elsewhere); acceptance figures. The engines take turns
   prompt by prompt, so load that drifts during the run hits all of them alike.
 * batch 32: output tokens/s of all requests at once, without speculation, with the
-  default back-off policy, and with speculation forced on (back-off disabled).
+  default back-off policy, and with speculation forced on (back-off disabled); the
+  engines take turns here too.
 
 Every measurement runs ``--repeats`` times (default 3) and its fastest run counts: on a
 shared machine that is the least disturbed one, and every engine is treated alike (the
@@ -117,18 +118,29 @@ def _decode_alone(engine: Engine, prompt: list[int], params: SamplingParams) -> 
     return len(tokens) - 1, (last or 0.0) - (first or 0.0), tokens
 
 
-def run_batched(engine: Engine, prompts: list[list[int]], params: SamplingParams, repeats: int) -> dict:
-    """All prompts at once, ``repeats`` times; the fastest run counts (per-run rates kept)."""
-    before = replace(engine.spec_stats)
-    runs, outputs = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        runs.append(time.perf_counter() - start)
-        outputs = outputs or [o.token_ids for o in outs]
-    num_tokens = sum(len(o) for o in outputs or [])
-    return {"output_tok_s": num_tokens / min(runs), "output_tok_s_per_run": [num_tokens / s for s in runs],
-            "seconds": min(runs), "outputs": outputs, **_spec_delta(before, engine)}
+def run_batched(
+    engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams, repeats: int
+) -> dict:
+    """All prompts at once through each engine in turn, ``repeats`` rounds (interleaved
+    like batch 1); each engine's fastest run counts (per-run rates kept)."""
+    before = {name: replace(engine.spec_stats) for name, engine in engines.items()}
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    for r in range(repeats):
+        for name, engine in engines.items():
+            sys.stderr.write(f"[spec bench] batch {len(prompts)}: round {r + 1}/{repeats} {name}\n")
+            start = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            runs[name].append(time.perf_counter() - start)
+            outputs.setdefault(name, [o.token_ids for o in outs])
+    result = {}
+    for name in engines:
+        num_tokens = sum(len(o) for o in outputs[name])
+        result[name] = {"output_tok_s": num_tokens / min(runs[name]),
+                        "output_tok_s_per_run": [num_tokens / s for s in runs[name]],
+                        "seconds": min(runs[name]), "outputs": outputs[name],
+                        **_spec_delta(before[name], engines[name])}
+    return result
 
 
 def _spec_delta(before: object, engine: Engine) -> dict:
@@ -177,14 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                                  "prompt_lens": [len(p) for p in prompts]},
                     "batch1": {}, "batch": {}}
     engines = {name: _engine(args.target, spec, args.threads) for name, spec in configs.items()}
-    for engine in engines.values():  # warm-up
+    forced = _engine(args.target, replace(configs["draft"], max_batch_size=args.num_batch), args.threads)
+    for engine in [*engines.values(), forced]:  # warm-up
         engine.generate([prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=8))
     report["batch1"] = run_batch1(engines, prompts[: args.num_batch1], params, args.repeats)
-    for name, engine in engines.items():
-        sys.stderr.write(f"[spec bench] batch {args.num_batch}: {name}\n")
-        report["batch"][name] = run_batched(engine, prompts, params, args.repeats)
-    forced = _engine(args.target, replace(configs["draft"], max_batch_size=args.num_batch), args.threads)
-    report["batch"]["draft_forced"] = run_batched(forced, prompts, params, args.repeats)
+    report["batch"] = run_batched({**engines, "draft_forced": forced}, prompts, params, args.repeats)
     report["machine"]["load_average_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     _print_and_save(report, args.out)
     return 0

@@ -60,6 +60,9 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
         self.period_ms = heartbeat_period_ms
         self.miss_count = heartbeat_miss_count
         self.workers: dict[int, WorkerEntry] = {}
+        # Dropped workers whose gRPC channel still carries routed requests: closing it would
+        # cancel those streams under the handler, so it is closed once they are done.
+        self._retired: list[WorkerEntry] = []
         self._ids = itertools.count(1)
         self._sweeper: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
@@ -112,17 +115,28 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
             for entry in list(self.workers.values()):
                 if now - entry.last_beat > limit:
                     self.drop(entry.worker_id, f"no heartbeat for {now - entry.last_beat:.2f} s")
+            self._close_idle_retired()
 
     def drop(self, worker_id: int, reason: str) -> None:
+        """Stop routing to a worker. Requests already on it keep their streams (a slow worker
+        finishes them; a dead one fails them by itself); its channel closes once they end."""
         entry = self.workers.pop(worker_id, None)
         if entry is not None:
             log.warning("registry.worker_dropped", worker_id=worker_id, address=entry.address, reason=reason)
-            asyncio.get_running_loop().create_task(entry.channel.close())
+            self._retired.append(entry)
+            self._close_idle_retired()
+
+    def _close_idle_retired(self) -> None:
+        busy = [e for e in self._retired if e.num_routed > 0 or e.num_routed_prefill_tokens > 0]
+        for entry in self._retired:
+            if entry not in busy:
+                asyncio.get_running_loop().create_task(entry.channel.close())
+        self._retired = busy
 
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for entry in self.workers.values():
+        for entry in [*self.workers.values(), *self._retired]:
             await entry.channel.close()
 
     # -- routing ------------------------------------------------------------------------

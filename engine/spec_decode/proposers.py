@@ -203,8 +203,9 @@ class NgramDraftProposer(Proposer):
 
     A request whose suffix of at least ``ngram_min`` tokens recurs takes the lookup's
     drafts (free, deterministic: ``draft_probs`` None), up to ``lookup_len`` of them; the
-    others go to the draft model in one batch, up to ``num_speculative_tokens`` each. The draft's KV simply falls behind while lookup serves a request: its next
-    draft-model proposal catches up on every token since (one forward of a few tokens).
+    others go to the draft model in one batch, up to ``num_speculative_tokens`` each. The
+    draft's KV simply falls behind while lookup serves a request: its next draft-model
+    proposal catches up on every token since (one forward of a few tokens).
     Sampling stays exact per row, whichever proposer drafted it (the verifier treats a
     lookup draft as probability 1 on its token).
     """

@@ -27,7 +27,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-2x2")
     # Speculative decoding (n-gram) on the decode workers: greedy output must not change.
     with Cluster(MODEL, num_prefill=2, num_decode=2, log_dir=str(logs),
-                 gateway_flags=["--heartbeat-period-ms", "200", "--heartbeat-miss-count", "3"],
+                 gateway_flags=["--heartbeat-period-ms", "500", "--heartbeat-miss-count", "4"],
                  decode_flags=["--speculative", "ngram", "--num-speculative-tokens", "4"]) as c:
         yield c
 

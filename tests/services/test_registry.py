@@ -73,3 +73,21 @@ def test_bad_registrations_name_the_field(field: str, request_: gateway_pb2.Regi
         assert reg.workers == {}
 
     asyncio.run(run())
+
+
+def test_dropping_a_worker_keeps_its_channel_open_while_requests_are_on_it() -> None:
+    async def run() -> None:
+        reg = Registry("m", heartbeat_period_ms=1000, heartbeat_miss_count=3)
+        busy = await _register(reg, DECODE, 1, _load())
+        entry = reg.workers[busy]
+        entry.num_routed = 1  # a stream is in flight on this worker
+        reg.drop(busy, "test")
+        assert busy not in reg.workers and reg.pick_decode(set()) is None
+        await asyncio.sleep(0)
+        assert entry.channel.get_state() is not None and entry in reg._retired  # not closed yet
+        entry.num_routed = 0
+        reg._close_idle_retired()
+        assert reg._retired == []
+        await reg.stop()
+
+    asyncio.run(run())

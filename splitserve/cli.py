@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=default_model(), help="(--in-process) checkpoint directory")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--threads", type=int, default=None, help="(--in-process) torch CPU threads")
-    gen.add_argument("--speculative", default="none", choices=["none", "ngram", "draft_model"])
+    gen.add_argument("--speculative", default="none", choices=["none", "ngram", "draft_model", "ngram_draft"])
     gen.add_argument("--num-speculative-tokens", type=int, default=4)
     gen.add_argument("--draft-model", default=str(DEFAULT_MODEL.parent / "draft"))
     gen.set_defaults(func=_generate)

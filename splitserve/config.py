@@ -137,7 +137,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     add_flag(p, "--max-model-len", type=int, default=None, help="cap on prompt + output")
     add_flag(p, "--threads", type=int, default=1, help="torch threads")
-    add_flag(p, "--speculative", default="none", choices=["none", "ngram", "draft_model"],
+    add_flag(p, "--speculative", default="none", choices=["none", "ngram", "draft_model", "ngram_draft"],
              help="speculative decoding (decode worker)")
     add_flag(p, "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
     add_flag(p, "--draft-model", default=None, help="draft checkpoint for --speculative draft_model")

@@ -38,6 +38,7 @@ import torch
 from bench.report import git_commit, machine_description
 from bench.systems import EngineSettings, run_ours
 from bench.workload import Workload, ensure_model, make_prompts
+from splitserve.benchmark.metrics import percentile
 from splitserve.client import make_request
 from splitserve.cluster import Cluster
 from splitserve.v1 import gateway_pb2_grpc
@@ -101,13 +102,6 @@ def raw_gloo_gbps(payload_bytes: int, out: Path) -> float:
     return max(methods["raw"]["median_gbps"], methods["raw_pre"]["median_gbps"])
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -153,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         return {
             "num_transfers": len(rows),
             "payload_bytes_p50": statistics.median(r["transfer_bytes"] for r in rows),
-            "latency_ms_p50": percentile([r["transfer_us"] / 1e3 for r in rows], 0.5),
-            "latency_ms_p99": percentile([r["transfer_us"] / 1e3 for r in rows], 0.99),
+            "latency_ms_p50": percentile([r["transfer_us"] / 1e3 for r in rows], 50),
+            "latency_ms_p99": percentile([r["transfer_us"] / 1e3 for r in rows], 99),
             "handoff_gbps_p50": statistics.median(gbps),
             "wire_gbps_p50": statistics.median(wire),
         }

@@ -59,7 +59,8 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _load_tokenizer(path: str) -> Any | None:
+def load_tokenizer(path: str) -> Any | None:
+    """The checkpoint's Hugging Face tokenizer, or None when the directory has none."""
     root = Path(path)
     if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
@@ -91,7 +92,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.spec.eos_token_ids)
         self.stats = EngineStats()
         self.proposer: Proposer | None = None

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from engine.config import EngineConfig
+from engine.engine import load_tokenizer
 from engine.model_runner import resolve_max_model_len
 from engine.models.loader import load_hf_config, model_spec_from_config
 from gateway.registry import Registry
@@ -21,15 +21,6 @@ from splitserve.worker import wait_for_signal
 
 log = structlog.get_logger()
 SERVICE_NAMES = ["splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"]
-
-
-def load_tokenizer(model: str) -> Any | None:
-    root = Path(model)
-    if not (root / "tokenizer.json").is_file() and not (root / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(root))
 
 
 def model_limits(config: GatewayConfig) -> Limits:

@@ -22,8 +22,6 @@ import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -32,6 +30,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_layout import KVLayout
 from engine.model_runner import ModelRunner, SampledToken
+from engine.models.spec import eos_token_ids, load_tokenizer
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.proposers import Proposer, make_proposer
 from engine.outputs import RequestOutput
@@ -59,27 +58,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def load_tokenizer(path: str) -> Any | None:
-    """The checkpoint's Hugging Face tokenizer, or None when the directory has none."""
-    root = Path(path)
-    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(root))
-
-
-def _eos_token_ids(path: str, spec_eos: tuple[int, ...]) -> tuple[int, ...]:
-    """EOS ids as ``generate`` uses them: generation_config.json first, then config.json."""
-    if (Path(path) / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-        if eos is not None:
-            return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-    return spec_eos
-
-
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -93,7 +71,7 @@ class Engine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = _eos_token_ids(config.model, self.spec.eos_token_ids)
+        self.eos_token_ids = eos_token_ids(config.model, self.spec)
         self.stats = EngineStats()
         self.proposer: Proposer | None = None
         if config.speculative is not None:

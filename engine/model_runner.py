@@ -10,7 +10,8 @@ from engine.config import EngineConfig
 from engine.cpu_tuning import tune_glibc_malloc
 from engine.kv_layout import KVLayout
 from engine.models.llama import ForwardBatch, LlamaModel
-from engine.models.loader import ModelSpec, load_hf_config, load_weights, model_spec_from_config
+from engine.models.loader import load_hf_config, load_weights
+from engine.models.spec import load_model_spec, resolve_max_model_len
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_probs
 from engine.sampling_params import SamplingParams
@@ -86,21 +87,6 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
     return params.greedy and params.repetition_penalty == 1.0
 
 
-def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
-    limit = spec.max_position_embeddings
-    if spec.sliding_window is not None:
-        # Sliding-window attention is not implemented: stay inside the window, where
-        # full attention is exact.
-        limit = min(limit, spec.sliding_window)
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens"
-        )
-    return config.max_model_len
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads is not None:
@@ -111,8 +97,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]
         self.hf_config = load_hf_config(config.model)
-        self.spec = model_spec_from_config(self.hf_config)
-        self.max_model_len = resolve_max_model_len(config, self.spec)
+        self.spec = load_model_spec(config.model)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
         weights = load_weights(config.model, self.dtype)
         self.model = LlamaModel(self.spec, self.hf_config, weights, self.max_model_len, self.device)
         self.block_size = config.block_size

@@ -6,10 +6,7 @@ from pathlib import Path
 
 import structlog
 
-from engine.config import EngineConfig
-from engine.engine import load_tokenizer
-from engine.model_runner import resolve_max_model_len
-from engine.models.loader import load_hf_config, model_spec_from_config
+from engine.models.spec import load_model_spec, load_tokenizer, resolve_max_model_len
 from gateway.registry import Registry
 from gateway.service import GatewayService
 from gateway.validation import Limits
@@ -24,8 +21,8 @@ SERVICE_NAMES = ["splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"]
 
 
 def model_limits(config: GatewayConfig) -> Limits:
-    spec = model_spec_from_config(load_hf_config(config.model))
-    max_model_len = resolve_max_model_len(EngineConfig(model=config.model, max_model_len=config.max_model_len), spec)
+    spec = load_model_spec(config.model)
+    max_model_len = resolve_max_model_len(config.max_model_len, spec)
     return Limits(spec.vocab_size, max_model_len, config.max_stop_strings, config.max_stop_string_bytes)
 
 

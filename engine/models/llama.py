@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.models.loader import ModelSpec, rope_inv_freq
+from engine.models.loader import rope_inv_freq
+from engine.models.spec import ModelSpec
 from kernels import ops
 
 

@@ -15,7 +15,8 @@ import torch
 
 from engine.model_runner import ModelRunner, SeqSlice, make_forward_batch
 from engine.models.llama import LlamaModel
-from engine.models.loader import load_hf_config, load_weights, model_spec_from_config
+from engine.models.loader import load_hf_config, load_weights
+from engine.models.spec import load_model_spec
 from engine.request import Request
 from engine.sampler import SamplingMetadata, compute_probs, random_sample
 from engine.spec_decode.config import SpeculativeConfig
@@ -63,7 +64,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target: ModelRunner) -> None:
         assert config.draft_model is not None
         hf_config = load_hf_config(config.draft_model)
-        spec = model_spec_from_config(hf_config)
+        spec = load_model_spec(config.draft_model)
         if spec.vocab_size != target.spec.vocab_size:
             raise ValueError(
                 f"draft_model: vocab size {spec.vocab_size} differs from the target's "

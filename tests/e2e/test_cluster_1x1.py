@@ -200,9 +200,9 @@ def test_kv_handshake_refuses_a_layout_mismatch_and_nccl_without_a_gpu(cluster: 
 
 def worker_layout(cluster: Cluster) -> common_pb2.KVLayout:
     engine_cfg = EngineConfig(model=MODEL)
-    from engine.models.loader import load_hf_config, model_spec_from_config
+    from engine.models.spec import load_model_spec
 
-    spec = model_spec_from_config(load_hf_config(MODEL))
+    spec = load_model_spec(MODEL)
     return common_pb2.KVLayout(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                                head_dim=spec.head_dim, block_size=engine_cfg.block_size, dtype="float32")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ARCHS
+from tests.conftest import ARCHS
 from engine.models.loader import load_hf_config
 from engine.models.spec import load_model_spec, model_spec_from_config, read_config
 

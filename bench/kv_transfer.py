@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_layout import KVLayout
-from engine.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
+from plumbing.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
 from kernels.ops import pack_kv, unpack_kv
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,13 +33,13 @@ import torch
 from engine.engine import Engine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.transport import KVChannel, TransferState, Transfer, TransportError
-from engine.transport.transfer import InvalidTransition
-from splitserve import convert
-from splitserve.config import WorkerConfig
-from splitserve.grpc_util import ServiceError
+from plumbing.transport import KVChannel, TransferState, Transfer, TransportError
+from plumbing.transport.transfer import InvalidTransition
+from plumbing import convert
+from plumbing.config import WorkerConfig
+from plumbing.rpc import ServiceError
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2, prefill_pb2
-from splitserve.worker import WorkerBase
+from plumbing.engine_service import EngineServicer
 
 log = structlog.get_logger()
 _MAX_RECORDS = 4096
@@ -71,7 +71,7 @@ class PendingKV:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
-class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
+class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
     role = common_pb2.WORKER_ROLE_DECODE
     role_name = "decode"
 
@@ -102,7 +102,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
         start = time.monotonic()
         try:
             if request.prefill_mode == decode_pb2.PREFILL_MODE_LOCAL:
-                await self.run(lambda e: e.add_request(prompt, params, request_id=rid))
+                await self.on_engine_thread(lambda e: e.add_request(prompt, params, request_id=rid))
             else:
                 record = await self._reserve(rid, prompt, params, request)
                 yield decode_pb2.DecodeResponse(
@@ -143,7 +143,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
             self.queues.pop(rid, None)
             if not finished:
                 log.info("decode.stopped_early", request_id=rid)
-                self.loop.call(lambda e: self._forget(e, rid, "decode stream ended"))
+                self.engine_thread.call(lambda e: self._forget(e, rid, "decode stream ended"))
 
     @staticmethod
     def _chunk(out: RequestOutput) -> decode_pb2.TokenChunk | None:
@@ -167,9 +167,9 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
         lease_s = min(max(request.lease_ms, 1), self.config.max_lease_ms) / 1000.0
         deadline = time.monotonic() + wait_s
         transfer = Transfer(next(self._transfer_ids))
-        done: asyncio.Future[TransferState] = self.aio_loop.create_future()
+        done: asyncio.Future[TransferState] = self.loop.create_future()
         while True:
-            record = await self.run(
+            record = await self.on_engine_thread(
                 lambda e: self._try_reserve(e, rid, prompt, params, transfer, done, lease_s)
             )
             if record is not None:
@@ -225,7 +225,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
             if not record.done.done():
                 record.done.set_result(state)
 
-        self.aio_loop.call_soon_threadsafe(set_done)
+        self.loop.call_soon_threadsafe(set_done)
 
     def on_tick(self, engine: Engine) -> None:
         """Engine thread: expire leases whose pages never arrived."""
@@ -257,11 +257,11 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
 
     def _join_channel(self, request: kv_transfer_pb2.KVChannelHandshake, timeout_s: float) -> KVChannel:
         if request.transport == kv_transfer_pb2.TRANSPORT_KIND_GLOO:
-            from engine.transport.gloo import connect_gloo
+            from plumbing.transport.gloo import connect_gloo
 
             return connect_gloo(request.gloo.host, request.gloo.port, timeout_s=timeout_s)
         if request.transport == kv_transfer_pb2.TRANSPORT_KIND_NCCL:
-            from engine.transport.nccl import NcclChannel
+            from plumbing.transport.nccl import NcclChannel
 
             if len(request.nccl_unique_id) != 128:
                 raise ValueError(f"nccl_unique_id must be 128 bytes, got {len(request.nccl_unique_id)}")
@@ -324,7 +324,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeWorkerServicer):
             self.metrics.transfer_seconds.observe(seconds)
             self.metrics.transfers.labels(role=self.role_name, outcome="done").inc()
             self._resolve(record)
-        self.loop.call(lambda e: self._admit(e, record, error))
+        self.engine_thread.call(lambda e: self._admit(e, record, error))
 
     def _admit(self, engine: Engine, record: PendingKV, error: BaseException | None) -> None:
         """Engine thread: turn a DONE transfer's reservation into a running sequence."""

@@ -1,6 +1,6 @@
 """splitserve engine: model runner over a paged KV cache, block manager, scheduler, sampler.
 
-Kept light: importing a submodule (e.g. ``engine.block_manager``) must not import the model
+Kept light: importing a submodule (e.g. ``engine.block_pool``) must not import the model
 or torch's CUDA stack. The public API lives in ``engine.engine`` and is re-exported lazily.
 """
 

@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_manager import BlockPool, KVBlock, hash_block_tokens
+from engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from engine.request import Request
 
 
@@ -45,7 +45,7 @@ class Reservation:
 
 class KVCacheManager:
     """Owns the mapping request -> blocks (running, held and reserved tables). Not
-    thread-safe: one engine loop drives it."""
+    thread-safe: the engine thread drives it."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size

@@ -8,14 +8,13 @@ layout and unpacked into another would be silently wrong attention, so a mismatc
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch stays unimported here: the gateway reads layouts without it
+    import torch
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# Element type name -> bytes per element.
+_DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -41,18 +40,19 @@ class KVLayout:
         num_layers, two, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         if two != 2:
             raise ValueError(f"kv_cache dim 1 must be 2 (K, V), got {two}")
-        names = {v: k for k, v in _DTYPES.items()}
-        return cls(num_layers, num_kv_heads, head_dim, block_size, names[kv_cache.dtype])
+        return cls(num_layers, num_kv_heads, head_dim, block_size, str(kv_cache.dtype).removeprefix("torch."))
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block occupies across all layers, K and V."""
         elems = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return elems * torch.empty((), dtype=self.torch_dtype).element_size()
+        return elems * _DTYPES[self.dtype]
 
     def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of the buffer ``pack_kv`` makes for ``num_blocks`` pages."""

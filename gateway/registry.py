@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from splitserve.grpc_util import channel_options
+from plumbing.rpc import channel_options
 from splitserve.v1 import (
     common_pb2,
     decode_pb2_grpc,

@@ -10,11 +10,10 @@ from engine.models.spec import load_model_spec, load_tokenizer, resolve_max_mode
 from gateway.registry import Registry
 from gateway.service import GatewayService
 from gateway.validation import Limits
-from splitserve import grpc_util
-from splitserve.config import GatewayConfig
-from splitserve.metrics import GatewayMetrics, serve_metrics
+from plumbing import rpc
+from plumbing.config import GatewayConfig
+from plumbing.metrics import GatewayMetrics, serve_metrics
 from splitserve.v1 import gateway_pb2_grpc
-from splitserve.worker import wait_for_signal
 
 log = structlog.get_logger()
 SERVICE_NAMES = ["splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"]
@@ -33,22 +32,22 @@ async def serve_gateway(config: GatewayConfig) -> None:
     metrics = GatewayMetrics.create()
     registry = Registry(model_name, config.heartbeat_period_ms, config.heartbeat_miss_count)
     service = GatewayService(config, registry, tokenizer, limits, metrics, model_name)
-    server = grpc_util.make_server()
+    server = rpc.make_server()
     gateway_pb2_grpc.add_GatewayServicer_to_server(service, server)
     gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(registry, server)
-    health = grpc_util.add_health_and_reflection(server, SERVICE_NAMES)
-    address = grpc_util.bind_port(server, config.server.host, config.server.port)
+    health = rpc.add_health_and_reflection(server, SERVICE_NAMES)
+    address = rpc.bind_port(server, config.server.host, config.server.port)
     await server.start()
     registry.start()
     metrics_port = serve_metrics(metrics.registry, config.server.host, config.server.metrics_port)
-    await grpc_util.set_serving(health, SERVICE_NAMES, True)
+    await rpc.set_serving(health, SERVICE_NAMES, True)
     log.info("gateway.serving", address=address, metrics_port=metrics_port, model=model_name,
              max_model_len=limits.max_model_len)
     if config.server.ready_file:
         Path(config.server.ready_file).write_text(address)
-    await wait_for_signal()
+    await rpc.wait_for_signal()
     log.info("gateway.draining", in_flight=service.num_in_flight)
-    await grpc_util.set_serving(health, SERVICE_NAMES, False)
+    await rpc.set_serving(health, SERVICE_NAMES, False)
     await server.stop(config.server.drain_timeout_s)
     await registry.stop()
     log.info("gateway.stopped")

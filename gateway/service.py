@@ -27,9 +27,9 @@ import structlog
 from gateway.registry import Registry, WorkerEntry
 from gateway.text import TextStream
 from gateway.validation import Limits, ValidatedRequest, validate
-from splitserve.config import GatewayConfig
-from splitserve.grpc_util import REQUEST_ID_KEY, TRACEPARENT_KEY, ServiceError, metadata_value
-from splitserve.metrics import GatewayMetrics
+from plumbing.config import GatewayConfig
+from plumbing.rpc import REQUEST_ID_KEY, TRACEPARENT_KEY, ServiceError, metadata_value
+from plumbing.metrics import GatewayMetrics
 from splitserve.v1 import (
     common_pb2,
     decode_pb2,

@@ -8,7 +8,7 @@ from typing import Any
 from google.protobuf import unknown_fields
 
 from engine.sampling_params import SamplingParams
-from splitserve.convert import sampling_params_from_proto
+from plumbing.convert import sampling_params_from_proto
 from splitserve.v1 import gateway_pb2
 
 

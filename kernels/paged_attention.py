@@ -79,7 +79,7 @@ class _Workspace:
 
     Gathering pages allocates tens of MB per layer; fresh allocations of that size are
     page-faulted in every time, which costs more than the copy itself. The gathered
-    pages are dead once the call returns, so their storage is reused. One engine loop
+    pages are dead once the call returns, so their storage is reused. One engine thread
     calls the reference at a time (the engine is single-threaded by design).
     """
 

@@ -18,9 +18,9 @@ import structlog
 import torch
 
 from engine.kv_layout import KVLayout
-from engine.transport import KVChannel, TransportUnavailable
-from splitserve.convert import kv_layout_to_proto
-from splitserve.grpc_util import channel_options
+from plumbing.transport import KVChannel, TransportUnavailable
+from plumbing.convert import kv_layout_to_proto
+from plumbing.rpc import channel_options
 from splitserve.v1 import decode_pb2_grpc, kv_transfer_pb2
 
 log = structlog.get_logger()
@@ -88,7 +88,7 @@ class ChannelPool:
             timeout_ms=int(self.timeout_s * 1000),
         )
         if self.transport == "gloo":
-            from engine.transport.gloo import GlooRendezvous
+            from plumbing.transport.gloo import GlooRendezvous
 
             rendezvous = GlooRendezvous(self.host, timeout_s=self.timeout_s)
             handshake.transport = kv_transfer_pb2.TRANSPORT_KIND_GLOO
@@ -97,7 +97,7 @@ class ChannelPool:
             local = loop.run_in_executor(None, rendezvous.accept)
             cleanup = rendezvous.close
         else:
-            from engine.transport.nccl import NcclChannel, NcclLibrary
+            from plumbing.transport.nccl import NcclChannel, NcclLibrary
 
             if not torch.cuda.is_available():
                 raise TransportUnavailable("nccl transport needs a CUDA device; none is visible")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from prefill_worker.service import SERVICE_NAME, PrefillWorker, add_to_server
-from splitserve.config import WorkerConfig
-from splitserve.worker import serve_worker
+from plumbing.config import WorkerConfig
+from plumbing.engine_service import serve_worker
 
 
 async def serve_prefill(config: WorkerConfig) -> None:

@@ -18,17 +18,17 @@ import structlog
 
 from engine.engine import Engine
 from engine.outputs import RequestOutput
-from splitserve import convert
-from splitserve.config import WorkerConfig
-from splitserve.grpc_util import ServiceError
+from plumbing import convert
+from plumbing.config import WorkerConfig
+from plumbing.rpc import ServiceError
 from splitserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
-from splitserve.worker import WorkerBase
+from plumbing.engine_service import EngineServicer
 from prefill_worker.channels import ChannelPool
 
 log = structlog.get_logger()
 
 
-class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillWorkerServicer):
+class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
     role = common_pb2.WORKER_ROLE_PREFILL
     role_name = "prefill"
 
@@ -54,7 +54,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillWorkerServicer):
         self.queues[rid] = queue
         start = time.monotonic()
         try:
-            await self.run(lambda e: e.add_request(prompt, params, request_id=rid, hold_kv=True))
+            await self.on_engine_thread(lambda e: e.add_request(prompt, params, request_id=rid, hold_kv=True))
             out = await queue.get()
             while not out.finished:
                 out = await queue.get()
@@ -62,7 +62,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillWorkerServicer):
             self.metrics.prompt_tokens.inc(len(prompt) - out.num_cached_tokens)
             if out.finish_reason == "abort" or not out.token_ids:
                 raise ServiceError(grpc.StatusCode.ABORTED, "prefill was aborted")
-            packed = await self.run(self._pack(rid))
+            packed = await self.on_engine_thread(self._pack(rid))
             num_bytes = packed.numel() * packed.element_size()
             first_logprob = None
             if out.logprobs:
@@ -110,7 +110,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillWorkerServicer):
             raise
         finally:
             self.queues.pop(rid, None)
-            self.loop.call(lambda e: self._free(e, rid))
+            self.engine_thread.call(lambda e: self._free(e, rid))
 
     def _pack(self, rid: str):  # noqa: ANN202 - returns an engine-thread closure
         def pack(engine: Engine):  # noqa: ANN202

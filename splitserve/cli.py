@@ -3,7 +3,7 @@
 ``up`` runs a local cluster (gateway + prefill + decode workers) on the bundled model;
 ``gateway`` / ``prefill`` / ``decode`` run one service (compose, Kubernetes);
 ``generate`` streams a completion through a gateway (or ``--in-process`` on the engine).
-Every flag can also be set as ``SPLITSERVE_<FLAG>`` (see ``splitserve.config``).
+Every flag can also be set as ``SPLITSERVE_<FLAG>`` (see ``plumbing.config``).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def _generate_in_process(args: argparse.Namespace) -> int:
 def _run_service(args: argparse.Namespace) -> int:
     import asyncio
 
-    from splitserve import config as cfg
-    from splitserve.logs import configure_logging
+    from plumbing import config as cfg
+    from plumbing.logs import configure_logging
 
     configure_logging(args.command, args.log_level)
     try:
@@ -138,7 +138,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from splitserve import config as cfg
+    from plumbing import config as cfg
 
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from splitserve.grpc_util import channel_options
+from plumbing.rpc import channel_options
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 

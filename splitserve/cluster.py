@@ -19,7 +19,7 @@ from pathlib import Path
 
 import structlog
 
-from splitserve.logs import configure_logging
+from plumbing.logs import configure_logging
 
 log = structlog.get_logger()
 

@@ -30,7 +30,7 @@ INIT_RANGE = 0.15
 
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from engine.random_model import make_random_checkpoint
+    from tests.helpers.random_model import make_random_checkpoint
 
     made: dict[tuple, Path] = {}
 

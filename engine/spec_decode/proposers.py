@@ -175,7 +175,7 @@ def _one_intra_op_thread() -> Iterator[None]:
     that parallelise regardless of size (SDPA, index ops) pay an OpenMP fork/join each,
     which costs more than the op (a batch-1 draft forward took ~1.0 ms with 2 threads,
     ~0.6 ms with 1, on an idle 2-core machine). The target keeps its threads. Setting the
-    count costs well under a microsecond; the engine loop is the only caller.
+    count costs well under a microsecond; the engine thread is the only caller.
     """
     num_threads = torch.get_num_threads()
     if num_threads == 1:

@@ -81,7 +81,7 @@ class LoadGenerator:
         self._stub = None
 
     async def __aenter__(self) -> LoadGenerator:
-        from splitserve.grpc_util import channel_options
+        from plumbing.rpc import channel_options
         from splitserve.v1 import gateway_pb2_grpc
 
         self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())

@@ -35,7 +35,7 @@ class KvSample:
 
 async def _workers(gateway: str) -> list[tuple[str, str, object]]:
     """(name, address, GetStats callable) for every registered worker."""
-    from splitserve.grpc_util import channel_options
+    from plumbing.rpc import channel_options
     from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 
     async with grpc.aio.insecure_channel(gateway, options=channel_options()) as channel:
@@ -70,7 +70,7 @@ class KvMonitor:
         return self.samples
 
     async def _poll(self, workers: list[tuple[str, str, object]]) -> None:
-        from splitserve.grpc_util import channel_options
+        from plumbing.rpc import channel_options
         from splitserve.v1 import prefill_pb2
 
         channels = [grpc.aio.insecure_channel(addr, options=channel_options()) for _, addr, _ in workers]

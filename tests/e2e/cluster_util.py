@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 
 from splitserve.client import make_request
-from splitserve.grpc_util import channel_options
+from plumbing.rpc import channel_options
 from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from engine import Engine, EngineConfig, SamplingParams
 from splitserve.client import make_request
 from splitserve.cluster import Cluster
-from splitserve.grpc_util import channel_options
+from plumbing.rpc import channel_options
 from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, kv_transfer_pb2
 from tests.e2e.cluster_util import (
     MODEL, code_prompts, greedy_requests, idle, stream, stream_many, wait_all_free, worker_stats,
@@ -172,7 +172,7 @@ def test_expired_deadline_frees_both_workers_within_2s(cluster: Cluster) -> None
 
 
 def test_kv_handshake_refuses_a_layout_mismatch_and_nccl_without_a_gpu(cluster: Cluster) -> None:
-    from engine.transport.nccl import NcclLibrary
+    from plumbing.transport.nccl import NcclLibrary
 
     with grpc.insecure_channel(cluster.addresses["decode-0"]) as channel:
         stub = decode_pb2_grpc.DecodeWorkerStub(channel)

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from splitserve.cli import build_parser
-from splitserve.config import env_name
+from plumbing.config import env_name
 
 ROOT = Path(__file__).resolve().parents[2]
 

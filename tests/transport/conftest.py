@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from engine.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
+from plumbing.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
 
 Pair = tuple[GlooChannel, GlooChannel]
 

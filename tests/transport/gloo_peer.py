@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from engine.transport.gloo import connect_gloo
+from plumbing.transport.gloo import connect_gloo
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.transport import TransferCancelled, TransportError, TransportKind
-from engine.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
+from plumbing.transport import TransferCancelled, TransportError, TransportKind
+from plumbing.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
 
 Pair = tuple[GlooChannel, GlooChannel]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from engine.transport import TransportError
-from engine.transport.gloo import GlooRendezvous
+from plumbing.transport import TransportError
+from plumbing.transport.gloo import GlooRendezvous
 
 REPO = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).with_name("gloo_peer.py")

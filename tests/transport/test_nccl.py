@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.transport import TransportError, TransportKind, TransportUnavailable
-from engine.transport.nccl import NcclChannel, NcclLibrary, find_nccl_library
-from engine.transport.nccl_lib import (
+from plumbing.transport import TransportError, TransportKind, TransportUnavailable
+from plumbing.transport.nccl import NcclChannel, NcclLibrary, find_nccl_library
+from plumbing.transport.nccl_lib import (
     ENV_LIBRARY,
     NCCL_UINT8,
     CommConfig,

@@ -1,4 +1,4 @@
-"""``import engine.transport`` stays light: no torch, no NCCL library loaded."""
+"""``import plumbing.transport`` stays light: no torch, no NCCL library loaded."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_import_loads_neither_torch_nor_nccl() -> None:
     code = (
-        "import sys, engine.transport as t\n"
+        "import sys, plumbing.transport as t\n"
         "assert t.TransportKind.NCCL.value == 'nccl'\n"
-        "heavy = [m for m in ('torch', 'engine.transport.gloo', 'engine.transport.nccl')\n"
+        "heavy = [m for m in ('torch', 'plumbing.transport.gloo', 'plumbing.transport.nccl')\n"
         "         if m in sys.modules]\n"
         "nccl = [l for l in open('/proc/self/maps') if 'libnccl' in l]\n"
         "print(heavy, len(nccl))\n"

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from engine.transport import InvalidTransition, Transfer, TransferState
+from plumbing.transport import InvalidTransition, Transfer, TransferState
 
 S = TransferState
 

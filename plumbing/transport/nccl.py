@@ -30,20 +30,20 @@ from concurrent.futures import Future
 import structlog
 import torch
 
-from engine.transport.base import (
+from plumbing.transport.base import (
     TransferCancelled,
     TransportError,
     TransportKind,
     TransportUnavailable,
 )
-from engine.transport.framed import (
+from plumbing.transport.framed import (
     FRAME_NUMEL,
     FramedChannel,
     check_frame,
     check_timeout,
     frame_nbytes,
 )
-from engine.transport.nccl_lib import (
+from plumbing.transport.nccl_lib import (
     IN_PROGRESS,
     SUCCESS,
     UNIQUE_ID_BYTES,
@@ -83,7 +83,7 @@ def _poll(is_done: Callable[[], bool], deadline: float, what: str, timeout_s: fl
 
 
 class NcclChannel(FramedChannel):
-    """A :class:`~engine.transport.base.KVChannel` over a non-blocking NCCL communicator."""
+    """A :class:`~plumbing.transport.base.KVChannel` over a non-blocking NCCL communicator."""
 
     kind = TransportKind.NCCL
 

@@ -10,7 +10,7 @@ import torch
 
 from engine import SamplingParams
 from tests.conftest import mixed_prompts
-from tests.test_engine_parity import make_engine
+from tests.engine.test_engine_parity import make_engine
 
 SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=4242, max_tokens=16, ignore_eos=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
+from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams

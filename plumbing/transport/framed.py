@@ -10,7 +10,7 @@ is the transport's choice (see ``_transmit``/``_receive`` in gloo.py and nccl.py
 
 Threads: ``send``/``recv``/``send_cancel``/``close`` run on the caller's thread;
 ``_transmit`` runs only on the sender thread and ``_receive`` only on the receiver thread
-(one each, see :class:`~engine.transport.worker.OpWorker`).
+(one each, see :class:`~plumbing.transport.op_thread.OpThread`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from concurrent.futures import Future
 import structlog
 import torch
 
-from engine.transport.base import KVChannel, TransferCancelled, TransportError
-from engine.transport.worker import Finish, OpWorker
+from plumbing.transport.base import KVChannel, TransferCancelled, TransportError
+from plumbing.transport.op_thread import Finish, OpThread
 
 logger = structlog.get_logger(__name__)
 
@@ -60,8 +60,8 @@ class FramedChannel(KVChannel):
         self._log = logger.bind(transport=self.kind.value, rank=rank)
         name = f"kv-{self.kind.value}-r{rank}"
         _track(self)
-        self._sender = OpWorker(f"{name}-send", self._on_op_error)
-        self._receiver = OpWorker(f"{name}-recv", self._on_op_error, depth=self.recv_depth)
+        self._sender = OpThread(f"{name}-send", self._on_op_error)
+        self._receiver = OpThread(f"{name}-recv", self._on_op_error, depth=self.recv_depth)
 
     # -- public API (any thread) ---------------------------------------------------------
 

@@ -1,10 +1,9 @@
-"""What both workers share: the engine on its loop thread, per-request output queues, load
+"""What both workers share: the engine on its engine thread, per-request output queues, load
 reports, metrics, registration with the gateway, and the serve/drain lifecycle."""
 
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -13,21 +12,21 @@ import grpc
 import structlog
 
 from engine.engine import Engine
-from engine.engine_loop import EngineLoop
+from engine.engine_thread import EngineStopped, EngineThread
 from engine.outputs import RequestOutput
-from splitserve import grpc_util
-from splitserve.config import WorkerConfig
-from splitserve.convert import kv_layout_to_proto
-from splitserve.metrics import WorkerMetrics, serve_metrics
-from splitserve.registration import RegistrationClient
+from plumbing import rpc
+from plumbing.config import WorkerConfig
+from plumbing.convert import kv_layout_to_proto
+from plumbing.metrics import WorkerMetrics, serve_metrics
+from plumbing.registration import RegistrationClient
 from splitserve.v1 import common_pb2
 
 T = TypeVar("T")
 log = structlog.get_logger()
 
 
-class WorkerBase:
-    """Owns the engine loop; subclasses add the gRPC methods of their role."""
+class EngineServicer:
+    """Owns the engine thread; subclasses add the gRPC methods of their role."""
 
     role: int = common_pb2.WORKER_ROLE_UNSPECIFIED
     role_name = "worker"
@@ -36,16 +35,16 @@ class WorkerBase:
         self.config = config
         self.engine = engine
         self.metrics = WorkerMetrics.create(self.role_name)
-        self.aio_loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self.queues: dict[str, asyncio.Queue[Any]] = {}
-        self.loop = EngineLoop(engine, self._on_outputs_threadsafe, on_tick=self.on_tick,
+        self.engine_thread = EngineThread(engine, self._on_outputs_threadsafe, on_tick=self.on_tick,
                                on_failure=self._on_engine_failure)
         self.registration: RegistrationClient | None = None
         self.num_in_transfer_blocks = 0  # engine thread writes, others read (an int: atomic)
 
     # -- engine thread -> event loop -------------------------------------------------
     def _on_outputs_threadsafe(self, outputs: list[RequestOutput]) -> None:
-        self.aio_loop.call_soon_threadsafe(self._deliver, outputs)
+        self.loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -58,13 +57,13 @@ class WorkerBase:
         """Engine thread: the engine is unusable. Fail every stream now (never a hang) and
         report DRAINING so the gateway routes nothing new here."""
         def fail_all() -> None:
-            error = grpc_util.ServiceError(grpc.StatusCode.INTERNAL, f"engine failed: {exc}")
+            error = rpc.ServiceError(grpc.StatusCode.INTERNAL, f"engine failed: {exc}")
             for queue in self.queues.values():
                 queue.put_nowait(error)
             if self.registration is not None:
                 self.registration.state = common_pb2.WORKER_STATE_DRAINING
 
-        self.aio_loop.call_soon_threadsafe(fail_all)
+        self.loop.call_soon_threadsafe(fail_all)
 
     def push_threadsafe(self, request_id: str, item: Any) -> None:
         """Hand ``item`` (an output or an exception) to a request's stream from any thread."""
@@ -73,14 +72,17 @@ class WorkerBase:
             if queue is not None:
                 queue.put_nowait(item)
 
-        self.aio_loop.call_soon_threadsafe(put)
+        self.loop.call_soon_threadsafe(put)
 
     def on_tick(self, engine: Engine) -> None:
         """Engine-thread housekeeping between steps (leases); default none."""
 
-    async def run(self, fn: Callable[[Engine], T]) -> T:
+    async def on_engine_thread(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread and await its result."""
-        return await asyncio.wrap_future(self.loop.call(fn))
+        try:
+            return await asyncio.wrap_future(self.engine_thread.call(fn))
+        except EngineStopped:
+            raise rpc.ServiceError(grpc.StatusCode.UNAVAILABLE, "this worker's engine is stopped") from None
 
     # -- load -------------------------------------------------------------------------
     def _load_now(self, engine: Engine) -> common_pb2.WorkerLoad:
@@ -112,27 +114,27 @@ class WorkerBase:
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> common_pb2.WorkerLoad:
         """Exact load, read on the engine thread between steps."""
-        return await self.run(self._load_now)
+        return await self.on_engine_thread(self._load_now)
 
 
 async def serve_worker(
     config: WorkerConfig,
-    make_worker: Callable[[WorkerConfig, Engine], WorkerBase],
+    make_worker: Callable[[WorkerConfig, Engine], EngineServicer],
     add_to_server: Callable[[Any, grpc.aio.Server], None],
     service_name: str,
 ) -> None:
     """Build the engine, serve until SIGTERM/SIGINT, then drain and exit."""
     engine = Engine(config.engine)
     worker = make_worker(config, engine)
-    worker.loop.start()
-    server = grpc_util.make_server()
+    worker.engine_thread.start()
+    server = rpc.make_server()
     add_to_server(worker, server)
-    health = grpc_util.add_health_and_reflection(server, [service_name])
-    address = grpc_util.bind_port(server, config.server.host, config.server.port)
+    health = rpc.add_health_and_reflection(server, [service_name])
+    address = rpc.bind_port(server, config.server.host, config.server.port)
     public = f"{config.server.public_host}:{address.rsplit(':', 1)[1]}"
     await server.start()
     metrics_port = serve_metrics(worker.metrics.registry, config.server.host, config.server.metrics_port)
-    await grpc_util.set_serving(health, [service_name], True)
+    await rpc.set_serving(health, [service_name], True)
     worker.registration = RegistrationClient(
         config.gateway, worker.role, public, Path(config.engine.model).name,
         kv_layout_to_proto(engine.kv_layout), worker.load_snapshot,
@@ -142,9 +144,9 @@ async def serve_worker(
              kv_blocks=engine.kv.num_blocks)
     if config.server.ready_file:
         Path(config.server.ready_file).write_text(public)
-    await wait_for_signal()
+    await rpc.wait_for_signal()
     log.info("worker.draining", role=worker.role_name)
-    await grpc_util.set_serving(health, [service_name], False)
+    await rpc.set_serving(health, [service_name], False)
     worker.registration.state = common_pb2.WORKER_STATE_DRAINING
     try:
         await worker.registration.beat_once()
@@ -152,14 +154,5 @@ async def serve_worker(
         pass
     await server.stop(config.server.drain_timeout_s)
     await worker.registration.stop()
-    worker.loop.stop()
+    worker.engine_thread.stop()
     log.info("worker.stopped", role=worker.role_name)
-
-
-async def wait_for_signal() -> None:
-    """Return on the first SIGTERM or SIGINT."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

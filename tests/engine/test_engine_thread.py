@@ -1,10 +1,10 @@
-"""EngineLoop: the engine's only thread; calls between steps, outputs handed off, failure stops it."""
+"""EngineThread: the engine's only thread; calls between steps, outputs handed off, failure stops it."""
 
 import threading
 
 import pytest
 
-from engine.engine_loop import EngineLoop, EngineStopped
+from engine.engine_thread import EngineThread, EngineStopped
 from engine.outputs import RequestOutput
 
 
@@ -39,7 +39,7 @@ def test_calls_and_steps_run_on_one_thread_and_outputs_are_handed_off() -> None:
         if len(got) == 3:
             delivered.set()
 
-    loop = EngineLoop(engine, on_outputs)
+    loop = EngineThread(engine, on_outputs)
     loop.start()
     try:
         for rid in ("a", "b", "c"):
@@ -57,7 +57,7 @@ def test_calls_and_steps_run_on_one_thread_and_outputs_are_handed_off() -> None:
 def test_a_failing_step_stops_the_loop_and_reports_once() -> None:
     engine = FakeEngine(fail_at=2)
     failures: list[BaseException] = []
-    loop = EngineLoop(engine, lambda outs: None, on_failure=failures.append)
+    loop = EngineThread(engine, lambda outs: None, on_failure=failures.append)
     loop.start()
     loop.call(lambda e: e.pending.append("x")).result(5)
     loop.call(lambda e: e.pending.append("y")).result(5)
@@ -69,7 +69,7 @@ def test_a_failing_step_stops_the_loop_and_reports_once() -> None:
 
 
 def test_an_exception_in_a_call_goes_to_its_caller_only() -> None:
-    loop = EngineLoop(FakeEngine(), lambda outs: None)
+    loop = EngineThread(FakeEngine(), lambda outs: None)
     loop.start()
     try:
         with pytest.raises(ValueError, match="bad"):

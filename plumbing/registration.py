@@ -13,7 +13,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from splitserve.grpc_util import channel_options
+from plumbing.rpc import channel_options
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()

@@ -40,8 +40,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from engine.transport.base import TransferCancelled, TransportError, TransportKind
-from engine.transport.framed import (
+from plumbing.transport.base import TransferCancelled, TransportError, TransportKind
+from plumbing.transport.framed import (
     FRAME_NUMEL,
     FramedChannel,
     check_frame,
@@ -153,7 +153,7 @@ def connect_gloo(host: str, port: int, timeout_s: float = 30.0) -> GlooChannel:
 
 
 class GlooChannel(FramedChannel):
-    """A :class:`~engine.transport.base.KVChannel` over a 2-rank ``ProcessGroupGloo``.
+    """A :class:`~plumbing.transport.base.KVChannel` over a 2-rank ``ProcessGroupGloo``.
 
     Made by :meth:`GlooRendezvous.accept` and :func:`connect_gloo`, not directly. Carries
     contiguous CPU tensors of any dtype (as raw bytes), in both directions. Each wait on a

@@ -12,7 +12,7 @@ the op is done (send: the tensor may be reused; recv: the tensor holds the data)
 with :class:`TransportError`. Any failure breaks the whole channel: every pending and later
 op fails fast, and the owner replaces the channel (a new handshake).
 
-This module imports neither torch nor NCCL, so ``import engine.transport`` stays light.
+This module imports neither torch nor NCCL, so ``import plumbing.transport`` stays light.
 """
 
 from __future__ import annotations

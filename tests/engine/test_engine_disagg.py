@@ -17,9 +17,9 @@ from engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from engine.kv_layout import KVLayout
 from engine.spec_decode.config import SpeculativeConfig
 from tests.conftest import mixed_prompts
-from tests.test_default_model_engine import MODELS, heldout_prompts
-from tests.test_engine_parity import make_engine
-from tests.test_spec_decode import repetitive_prompts
+from tests.engine.test_default_model_engine import MODELS, heldout_prompts
+from tests.engine.test_engine_parity import make_engine
+from tests.engine.test_spec_decode import repetitive_prompts
 
 BS = 16
 NEW_TOKENS = 12

@@ -8,6 +8,7 @@ structlog context for every call.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -16,8 +17,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.engine_loop import EngineStopped
-from engine.transport import TransportError, TransportUnavailable
+from plumbing.transport import TransportError, TransportUnavailable
 
 REQUEST_ID_KEY = "x-request-id"
 TRACEPARENT_KEY = "traceparent"  # W3C trace context, passed through to the workers
@@ -41,8 +41,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, exc.message
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, EngineStopped):
-        return grpc.StatusCode.UNAVAILABLE, "this worker's engine is stopped"
     if isinstance(exc, TransportUnavailable):
         return grpc.StatusCode.FAILED_PRECONDITION, f"KV transport unavailable here: {exc}"
     if isinstance(exc, TransportError):
@@ -168,3 +166,12 @@ def channel_options() -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.enable_retries", 0),
     ]
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -13,7 +13,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposers import DraftModelProposer, NgramDraftProposer
 from tests.conftest import mixed_prompts
-from tests.test_engine_parity import make_engine
+from tests.engine.test_engine_parity import make_engine
 
 NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)

@@ -2,17 +2,17 @@
 decode worker, and the per-transfer state machine.
 
 Kept light: importing this package imports neither torch nor NCCL. The concrete channels
-live in ``engine.transport.gloo`` (CPU, TCP) and ``engine.transport.nccl`` (CUDA).
+live in ``plumbing.transport.gloo`` (CPU, TCP) and ``plumbing.transport.nccl`` (CUDA).
 """
 
-from engine.transport.base import (
+from plumbing.transport.base import (
     KVChannel,
     TransferCancelled,
     TransportError,
     TransportKind,
     TransportUnavailable,
 )
-from engine.transport.transfer import InvalidTransition, Transfer, TransferState
+from plumbing.transport.transfer import InvalidTransition, Transfer, TransferState
 
 __all__ = [
     "InvalidTransition",

@@ -1,4 +1,4 @@
-"""OpWorker: one thread that runs a channel direction's ops strictly in submission order.
+"""OpThread: one thread that runs a channel direction's ops strictly in submission order.
 
 An op runs in up to two steps on the worker thread: ``start()`` posts it to the transport
 and returns either None (the op is complete) or a ``finish()`` callable that waits for it.
@@ -35,7 +35,7 @@ def _settle(future: Future[None], error: BaseException | None) -> None:
         pass
 
 
-class OpWorker:
+class OpThread:
     """Runs submitted ops in submission order on its own daemon thread.
 
     ``submit``, ``fail_all`` and ``stop`` may be called from any thread; ops' ``start`` and

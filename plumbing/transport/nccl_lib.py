@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.transport.base import TransportError, TransportUnavailable
+from plumbing.transport.base import TransportError, TransportUnavailable
 
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 ENV_LIBRARY = "SPLITSERVE_NCCL_LIBRARY"

@@ -1,4 +1,4 @@
-"""OpWorker: submission order, the start/finish window, failure and stop."""
+"""OpThread: submission order, the start/finish window, failure and stop."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.transport import TransportError
-from engine.transport.worker import Finish, OpWorker
+from plumbing.transport import TransportError
+from plumbing.transport.op_thread import Finish, OpThread
 
 GUARD_S = 30.0
 
@@ -18,7 +18,7 @@ class Broken:
 
     def __init__(self) -> None:
         self.errors: list[Exception] = []
-        self.workers: list[OpWorker] = []
+        self.workers: list[OpThread] = []
 
     def on_error(self, exc: Exception) -> BaseException:
         self.errors.append(exc)
@@ -27,13 +27,13 @@ class Broken:
             worker.fail_all(error)
         return error
 
-    def worker(self, depth: int = 1) -> OpWorker:
-        worker = OpWorker("test-worker", self.on_error, depth=depth)
+    def worker(self, depth: int = 1) -> OpThread:
+        worker = OpThread("test-worker", self.on_error, depth=depth)
         self.workers.append(worker)
         return worker
 
 
-def stop(worker: OpWorker) -> None:
+def stop(worker: OpThread) -> None:
     worker.fail_all(TransportError("test over"))
     worker.stop()
     assert worker.join(GUARD_S)
@@ -136,4 +136,4 @@ def test_stop_lets_the_thread_exit() -> None:
 
 def test_depth_must_be_positive() -> None:
     with pytest.raises(ValueError, match="depth"):
-        OpWorker("bad", lambda exc: exc, depth=0)
+        OpThread("bad", lambda exc: exc, depth=0)

@@ -9,7 +9,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from tests.test_engine_parity import GREEDY, NEW_TOKENS, make_engine
+from tests.engine.test_engine_parity import GREEDY, NEW_TOKENS, make_engine
 
 
 def test_prefix_cache_computes_only_the_suffix(ckpt_dir: Callable[..., Path], hf_greedy: Callable) -> None:

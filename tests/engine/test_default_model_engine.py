@@ -11,7 +11,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 
-MODELS = Path(__file__).resolve().parents[1] / "models"
+MODELS = Path(__file__).resolve().parents[2] / "models"
 NEW_TOKENS = 24
 
 

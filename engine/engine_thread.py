@@ -24,12 +24,14 @@ from engine.outputs import RequestOutput
 T = TypeVar("T")
 
 
-class EngineStopped(RuntimeError):
-    """The loop is stopped (shut down, or its engine failed): calls are refused."""
 log = structlog.get_logger()
 
 
-class EngineLoop:
+class EngineStopped(RuntimeError):
+    """The engine thread is stopped (shut down, or its engine failed): calls are refused."""
+
+
+class EngineThread:
     def __init__(
         self,
         engine: Engine,
@@ -61,17 +63,17 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def call(self, fn: Callable[[Engine], T]) -> Future[T]:
-        """Run ``fn(engine)`` on the loop thread before the next step (any thread may call)."""
+        """Run ``fn(engine)`` on the engine thread before the next step (any thread may call)."""
         future: Future[T] = Future()
         with self._cv:
             if self._stopping:
-                future.set_exception(EngineStopped("engine loop is stopped"))
+                future.set_exception(EngineStopped("engine thread is stopped"))
                 return future
             self._calls.append((fn, future))
             self._cv.notify_all()
         return future
 
-    # -- the loop thread ---------------------------------------------------------------
+    # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         """The loop; a failed step stops it (``failure`` is set, ``on_failure`` called)."""
         while True:
@@ -90,7 +92,7 @@ class EngineLoop:
             pending = list(self._calls)
             self._calls.clear()
         for _, future in pending:
-            future.set_exception(EngineStopped("engine loop is stopped"))
+            future.set_exception(EngineStopped("engine thread is stopped"))
 
     def _run_calls(self, calls: list[tuple[Callable[[Engine], Any], Future[Any]]]) -> None:
         for fn, future in calls:
@@ -107,13 +109,13 @@ class EngineLoop:
         try:
             self._on_tick(self.engine)
         except Exception:  # noqa: BLE001 - housekeeping must not kill the loop
-            log.exception("engine_loop.tick_failed")
+            log.exception("engine_thread.tick_failed")
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - the loop stops; the owner fails its requests
-            log.exception("engine_loop.step_failed")
+            log.exception("engine_thread.step_failed")
             self.failure = exc
             with self._cv:
                 self._stopping = True

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "tools" / "train_default_model.py"
 MODELS_DIR = REPO_ROOT / "models"
 FIB_PROMPT = "def fibonacci(n):"

@@ -88,7 +88,7 @@ def connect(rank: int, peer: Connection) -> tuple[dist.ProcessGroupGloo, GlooCha
 def make_cache(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     shape = layout.packed_shape(num_blocks)  # a cache of num_blocks blocks has this shape too
-    return torch.randn(shape, generator=generator).to(layout.torch_dtype)
+    return torch.randn(shape, generator=generator).to(getattr(torch, layout.dtype))
 
 
 class FullPath:
@@ -104,7 +104,7 @@ class FullPath:
         self.dst_ids = torch.randperm(self.num_blocks, generator=generator)[: self.num_pages]
         self.seed = seed
         self.cache = make_cache(layout, self.num_blocks, seed if rank == 0 else seed + 2)
-        self.staging = [torch.empty(layout.packed_shape(self.num_pages), dtype=layout.torch_dtype)
+        self.staging = [torch.empty(layout.packed_shape(self.num_pages), dtype=getattr(torch, layout.dtype))
                         for _ in range(2 if rank == 1 else 0)]
 
     def check(self) -> bool:

@@ -294,7 +294,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"transfer {header.transfer_id} is {record.transfer.state.name}") from None
         record.header = header
-        staging = torch.empty(self.layout.packed_shape(header.num_blocks), dtype=self.layout.torch_dtype)
+        staging = torch.empty(self.layout.packed_shape(header.num_blocks), dtype=getattr(torch, self.layout.dtype))
         record.recv_started = time.monotonic()
         future = channel.recv(staging)
         record.transfer.advance(TransferState.TRANSFERRING)

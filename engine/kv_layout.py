@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch stays unimported here: the gateway reads layouts without it
-    import torch
+    import torch  # noqa: F401 (annotations only)
 
 # Element type name -> bytes per element.
 _DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -19,7 +19,8 @@ _DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class KVLayout:
-    """kv_cache is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """kv_cache is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; ``dtype``
+    names a torch dtype (``getattr(torch, layout.dtype)``)."""
 
     num_layers: int
     num_kv_heads: int
@@ -41,12 +42,6 @@ class KVLayout:
         if two != 2:
             raise ValueError(f"kv_cache dim 1 must be 2 (K, V), got {two}")
         return cls(num_layers, num_kv_heads, head_dim, block_size, str(kv_cache.dtype).removeprefix("torch."))
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.dtype)
 
     @property
     def bytes_per_block(self) -> int:

@@ -123,7 +123,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
                     prefill_us = int((time.monotonic() - start) * 1e6)
                 if item.finished:
                     finished = True
-                    log.info("decode.done", finish_reason=item.finish_reason, num_tokens=len(item.token_ids),
+                    log.info("decode.done", finish_reason=item.finish_reason, num_tokens=item.num_output_tokens,
                              num_draft_tokens=item.num_draft_tokens, num_accepted_tokens=item.num_accepted_tokens,
                              seconds=round(time.monotonic() - start, 6))
                     timings = common_pb2.PhaseTimings(
@@ -151,10 +151,9 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         if not new:
             return None
         chunk = decode_pb2.TokenChunk(token_ids=new)
-        if out.logprobs is not None:
-            logprobs = out.logprobs[-len(new):]
-            tops = (out.top_logprobs or [])[-len(new):] if out.top_logprobs else [None] * len(new)
-            for token, lp, top in zip(new, logprobs, tops):
+        if out.new_logprobs is not None:
+            tops = out.new_top_logprobs or [None] * len(new)
+            for token, lp, top in zip(new, out.new_logprobs, tops):
                 chunk.logprobs.append(convert.token_logprob(token, lp, top))
         return chunk
 

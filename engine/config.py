@@ -31,6 +31,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Incremental text in outputs (RequestOutput.new_text). The serving workers turn it off:
+    # only the gateway needs text, and it detokenizes there.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -33,7 +33,7 @@ from engine.model_runner import ModelRunner, SampledToken
 from engine.models.spec import eos_token_ids, load_tokenizer
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.proposers import Proposer, make_proposer
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import make_generator, skip_sampled_draws
 from engine.sampling_params import SamplingParams
@@ -148,7 +148,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self._new_request(request_id, token_ids, params, hold_kv)
         self.scheduler.add(request)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.config.detokenize:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
         return request_id
 
@@ -236,9 +236,9 @@ class Engine:
         request whose prompt K/V are computed and whose output holds ``first_token_id``.
         The next steps compute the first token's K/V and sample token 2 onwards.
 
-        * Outputs: ``token_ids`` (and ``text``, ``logprobs``) include the first token;
-          ``new_token_ids`` / ``new_text`` of step() outputs only ever hold later tokens (the
-          first was streamed by the prefill leg).
+        * Outputs: ``new_token_ids`` / ``new_text`` of step() outputs only ever hold later
+          tokens (the first was streamed by the prefill leg); ``num_output_tokens`` counts
+          the first token too.
         * If ``first_token_id`` already finishes the request (EOS, a stop token,
           ``max_tokens == 1``, ``max_model_len``), its blocks are freed at once and the next
           ``step()`` returns its final output (``finished``, empty ``new_token_ids``).
@@ -247,8 +247,8 @@ class Engine:
         * Prefix caching: the received full prompt blocks are published in this worker's
           prefix cache (a block whose hash is already published stays private, unshared).
         * With ``params.logprobs`` set, ``first_logprob`` (and, for top-n, the prefill
-          worker's ``first_top_logprobs``) are required, so ``logprobs[i]`` stays the
-          logprob of ``token_ids[i]``.
+          worker's ``first_top_logprobs``) are required: the request's logprob history
+          starts with the first token's.
 
         Validates like ``add_request`` (ValueError naming the field); on ValueError the
         reservation is untouched, so the caller can still cancel it. ``prompt_token_ids``
@@ -274,7 +274,7 @@ class Engine:
         self._record_logprobs(request, first)
         request.num_computed_tokens = len(token_ids)
         self.stats.num_received_prompt_tokens += len(token_ids)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.config.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids)
             detok.add([first_token_id])
             self._detok[request_id] = detok
@@ -394,26 +394,23 @@ class Engine:
             request.output_top_logprobs.append(token.top_logprobs)
 
     def _make_output(self, request: Request, num_before: int) -> RequestOutput:
+        """What this step added to ``request`` (output tokens from index ``num_before``)."""
         new_token_ids = request.output_token_ids[num_before:]
         detok = self._detok.get(request.request_id)
         new_text = detok.add(new_token_ids) if detok is not None else ""
         finished = request.status.finished
         if finished:
             self._detok.pop(request.request_id, None)
-        wants_logprobs = request.sampling_params.logprobs is not None
+        num_logprobs = request.sampling_params.logprobs
         return RequestOutput(
             request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
             new_token_ids=new_token_ids,
-            text=detok.text if detok is not None else "",
+            new_logprobs=request.output_logprobs[num_before:] if num_logprobs is not None else None,
+            new_top_logprobs=request.output_top_logprobs[num_before:] if num_logprobs else None,
             new_text=new_text,
             finished=finished,
             finish_reason=request.status.finish_reason,
-            logprobs=list(request.output_logprobs) if wants_logprobs else None,
-            top_logprobs=list(request.output_top_logprobs)
-            if wants_logprobs and request.sampling_params.logprobs
-            else None,
+            num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
             num_draft_tokens=request.num_draft_tokens,
@@ -424,7 +421,7 @@ class Engine:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
+    ) -> list[CompletionOutput]:
         """Run prompts to completion; outputs in prompt order. All prompts are validated
         before any is queued."""
         if isinstance(prompts, str) or (
@@ -440,12 +437,15 @@ class Engine:
                 raise ValueError("params: need one SamplingParams per prompt")
         token_lists = [self.tokenize(p) for p in prompt_list]
         ids = [self.add_request(t, p) for t, p in zip(token_lists, param_list)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids) and self.has_unfinished_requests():
+        done = {i: CompletionOutput(i, t) for i, t in zip(ids, token_lists)}
+        num_finished = 0
+        while num_finished < len(ids) and self.has_unfinished_requests():
             for output in self.step():
-                if output.finished:
-                    final[output.request_id] = output
-        return [final[i] for i in ids]
+                completion = done.get(output.request_id)
+                if completion is not None:
+                    completion.add(output)
+                    num_finished += output.finished
+        return [done[i] for i in ids]
 
     def check_integrity(self) -> None:
         """Raise if any KV block is leaked, double-freed or held by a finished request."""

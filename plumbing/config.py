@@ -155,6 +155,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_threads=args.threads, speculative=speculative,
+        detokenize=False,  # workers stream token ids; the gateway detokenizes
     )
 
 

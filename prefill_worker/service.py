@@ -17,7 +17,7 @@ import grpc
 import structlog
 
 from engine.engine import Engine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from plumbing import convert
 from plumbing.config import WorkerConfig
 from plumbing.rpc import ServiceError
@@ -55,9 +55,9 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         start = time.monotonic()
         try:
             await self.on_engine_thread(lambda e: e.add_request(prompt, params, request_id=rid, hold_kv=True))
-            out = await queue.get()
+            out = CompletionOutput(rid, prompt)
             while not out.finished:
-                out = await queue.get()
+                out.add(await queue.get())
             prefill_done = time.monotonic()
             self.metrics.prompt_tokens.inc(len(prompt) - out.num_cached_tokens)
             if out.finish_reason == "abort" or not out.token_ids:

@@ -26,7 +26,7 @@ class FakeEngine:
         if self.num_steps == self.fail_at:
             raise RuntimeError("boom")
         done, self.pending = self.pending, []
-        return [RequestOutput(request_id=r, prompt_token_ids=[1], token_ids=[2], finished=True) for r in done]
+        return [RequestOutput(request_id=r, new_token_ids=[2], finished=True) for r in done]
 
 
 def test_calls_and_steps_run_on_one_thread_and_outputs_are_handed_off() -> None:

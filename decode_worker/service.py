@@ -312,7 +312,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
                 return
             if error is None:
                 try:
-                    self.engine.runner.unpack_kv(record.block_ids, staging)
+                    self.engine.unpack_kv(record.request_id, staging)
                 except Exception as exc:  # noqa: BLE001 - reported like a failed receive
                     error = exc
             if error is None:

@@ -10,7 +10,7 @@ KV transfer hooks (no transport here; the workers move the tensors)::
     add_request(p, params.for_prefill(),           reserve_kv(rid, len(p)) -> block ids | None
                 rid, hold_kv=True)
     step() ... until rid finishes (first token)
-    held_block_ids(rid) -> ids; pack_kv(ids) ----> unpack_kv(reserved ids, packed)
+    held_block_ids(rid) -> ids; pack_kv(ids) ----> unpack_kv(rid, packed)
     release_kv(rid)                                admit_prefilled(rid, p, first token, params)
                                                    step() ... streams tokens 2, 3, ...
     abort(rid) frees held blocks                   abort(rid) / cancel_reservation(rid)
@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,7 +33,7 @@ from engine.model_runner import ModelRunner, SampledToken
 from engine.models.spec import eos_token_ids, load_tokenizer
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.proposers import Proposer, make_proposer
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EngineLoad, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import make_generator, skip_sampled_draws
 from engine.sampling_params import SamplingParams
@@ -210,17 +210,21 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return self.kv.reserve(request_id, num_prompt_tokens)
 
-    def unpack_kv(self, block_ids: Sequence[int], packed: torch.Tensor) -> None:
-        """Write page i of ``packed`` (``kv_layout.packed_shape(len(block_ids))``, the cache
-        dtype; another device is copied over) into block ``block_ids[i]``. Every id must be
-        a reserved block: unpacking never overwrites a block a request or the prefix cache
-        relies on. ValueError on a shape, dtype or block id mismatch."""
-        ids = self._check_block_ids(block_ids, distinct=True)
-        reserved = self.kv.reserved_block_ids()
-        stray = [b for b in ids if b not in reserved]
-        if stray:
-            raise ValueError(f"block_ids {stray} are not reserved (unpack only into reserve_kv blocks)")
-        self.runner.unpack_kv(ids, packed)
+    def unpack_kv(self, request_id: str, packed: torch.Tensor) -> None:
+        """Write page i of ``packed`` (``kv_layout.packed_shape(n)``, the cache dtype;
+        another device is copied over) into block i of the reservation under
+        ``request_id``, so pages can only land in the reservation they were sent for, never
+        in a block a request or the prefix cache relies on. ValueError when nothing is
+        reserved under the id, or on a shape or dtype mismatch.
+
+        Thread-safe against the engine's own thread while the caller guarantees that the
+        reservation is neither cancelled nor admitted meanwhile (the decode worker holds the
+        lock that freeing takes): the reservation's block list never changes, and only this
+        call writes its blocks."""
+        reservation = self.kv.reserved.get(request_id)
+        if reservation is None:
+            raise ValueError(f"request_id {request_id!r} has no reservation to unpack into")
+        self.runner.unpack_kv([block.block_id for block in reservation.blocks], packed)
 
     def admit_prefilled(
         self,
@@ -454,3 +458,18 @@ class Engine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
+
+    def load(self) -> EngineLoad:
+        """A snapshot of queues, pool and speculation counters (call on the owning thread)."""
+        sched = self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
+        spec = None
+        if self.proposer is not None:
+            stats = self.spec_stats
+            spec = replace(stats, accepted_per_position=list(stats.accepted_per_position))
+        return EngineLoad(
+            num_blocks_total=self.kv.num_blocks, num_blocks_free=self.kv.num_free_blocks,
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_queued_prefill_tokens=queued, spec=spec,
+        )

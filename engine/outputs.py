@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.spec_decode.metrics import SpecDecodeStats
+
 
 @dataclass
 class RequestOutput:
@@ -65,3 +67,16 @@ class CompletionOutput:
         self.num_preemptions = out.num_preemptions
         self.num_draft_tokens = out.num_draft_tokens
         self.num_accepted_tokens = out.num_accepted_tokens
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the engine's load, taken on the engine thread (``Engine.load``) and
+    safe to read from any thread afterwards: it shares no state with the engine."""
+
+    num_blocks_total: int
+    num_blocks_free: int  # cached-but-evictable blocks count as free
+    num_running: int
+    num_waiting: int
+    num_queued_prefill_tokens: int  # prompt tokens queued and not yet computed
+    spec: SpecDecodeStats | None = None  # a copy of the speculative-decoding counters

@@ -88,7 +88,7 @@ def try_admit(b: Engine, t: Transfer, params: SamplingParams, done: Completions 
     if ids is None:
         return None
     assert len(ids) == t.packed.shape[2]
-    b.unpack_kv(ids, t.packed)
+    b.unpack_kv(t.request_id, t.packed)
     assert torch.equal(b.pack_kv(ids), t.packed)  # the pages landed intact in other block ids
     b.admit_prefilled(t.request_id, t.prompt_token_ids, t.first_token_id, params,
                       first_logprob=t.first_logprob, first_top_logprobs=t.first_top_logprobs)
@@ -404,8 +404,8 @@ def test_reservation_lifecycle(ckpt_dir: Callable[..., Path]) -> None:
         b.reserve_kv("r", 10)
     assert b.cancel_reservation("r") and not b.cancel_reservation("r")
     assert b.reserve_kv("s", 60) is not None  # after the free, it fits
-    with pytest.raises(ValueError, match="block_ids"):
-        b.unpack_kv(sorted(running_ids)[:1], torch.zeros(b.kv_layout.packed_shape(1)))
+    with pytest.raises(ValueError, match="request_id"):
+        b.unpack_kv(running, torch.zeros(b.kv_layout.packed_shape(3)))  # not a reservation
     assert b.abort("s") and not b.abort("s")  # abort cancels a reservation too
     params = replace(GREEDY, max_tokens=20)
     assert drain(b, done)[running].token_ids == make_engine(path).generate([list(range(3, 40))], params)[0].token_ids
@@ -492,14 +492,12 @@ def test_bad_input_names_the_field(ckpt_dir: Callable[..., Path]) -> None:
     for bad in (torch.zeros(layout.packed_shape(2)), torch.zeros(1, *layout.packed_shape(3)[1:]),
                 torch.zeros(layout.packed_shape(3), dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="packed"):
-            b.unpack_kv(ids, bad)
-    unreserved = next(i for i in range(64) if i not in ids)
-    for bad_ids in ([ids[0], ids[0], ids[1]], [ids[0], ids[1], 64], [ids[0], ids[1], unreserved]):
-        with pytest.raises(ValueError, match="block_ids"):
-            b.unpack_kv(bad_ids, transfer.packed)
+            b.unpack_kv("x", bad)
+    with pytest.raises(ValueError, match="request_id"):
+        b.unpack_kv("local", transfer.packed)  # a running request's blocks are never written
     with pytest.raises(ValueError, match="block_ids"):
         a.pack_kv([0, 512])
-    b.unpack_kv(ids, transfer.packed)
+    b.unpack_kv("x", transfer.packed)
     bad_admits = [
         (dict(first_token_id=512), "first_token_id"),
         (dict(first_token_id=-1), "first_token_id"),

@@ -40,7 +40,6 @@ class EngineServicer:
         self.engine_thread = EngineThread(engine, self._on_outputs_threadsafe, on_tick=self.on_tick,
                                on_failure=self._on_engine_failure)
         self.registration: RegistrationClient | None = None
-        self.num_in_transfer_blocks = 0  # engine thread writes, others read (an int: atomic)
 
     # -- engine thread -> event loop -------------------------------------------------
     def _on_outputs_threadsafe(self, outputs: list[RequestOutput]) -> None:
@@ -74,6 +73,10 @@ class EngineServicer:
 
         self.loop.call_soon_threadsafe(put)
 
+    def blocks_in_transfer(self) -> int:
+        """KV blocks held for (prefill) or reserved by (decode) transfers; any thread."""
+        return 0
+
     def on_tick(self, engine: Engine) -> None:
         """Engine-thread housekeeping between steps (leases); default none."""
 
@@ -87,7 +90,7 @@ class EngineServicer:
     # -- load -------------------------------------------------------------------------
     def _report(self, load: EngineLoad) -> common_pb2.WorkerLoad:
         """``load`` as the proto, with the blocks in transfer; updates the gauges."""
-        in_transfer = self.num_in_transfer_blocks
+        in_transfer = self.blocks_in_transfer()
         self.metrics.kv_blocks_free.set(load.num_blocks_free)
         self.metrics.kv_blocks_used.set(load.num_blocks_total - load.num_blocks_free)
         self.metrics.kv_blocks_in_transfer.set(in_transfer)

@@ -39,6 +39,10 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             config.engine.device, config.transfer_timeout_s, config.fault_transfer_stall_s,
         )
         self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request
+        self._num_held_blocks = 0  # their sum (engine thread writes, heartbeats read an int)
+
+    def blocks_in_transfer(self) -> int:
+        return self._num_held_blocks
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -116,14 +120,14 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         def pack(engine: Engine):  # noqa: ANN202
             block_ids = engine.held_block_ids(rid)
             self._num_held[rid] = len(block_ids)
-            self.num_in_transfer_blocks += len(block_ids)
+            self._num_held_blocks += len(block_ids)
             return engine.pack_kv(block_ids)
 
         return pack
 
     def _free(self, engine: Engine, rid: str) -> None:
         """Engine thread: release the held pages (or abort a still-running prefill), once."""
-        self.num_in_transfer_blocks -= self._num_held.pop(rid, 0)
+        self._num_held_blocks -= self._num_held.pop(rid, 0)
         if not engine.release_kv(rid):
             engine.abort(rid)
 

@@ -99,8 +99,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     async def GenerateUnary(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> gateway_pb2.GenerateUnaryResponse:
-        result = gateway_pb2.GenerateUnaryResponse()
+    ) -> gateway_pb2.GenerateResponse:
+        result = gateway_pb2.GenerateResponse()
         async for chunk in self._generate(request, context):
             result.request_id = chunk.request_id
             result.token_ids.extend(chunk.token_ids)

@@ -11,7 +11,7 @@ import grpc
 
 from splitserve.client import make_request
 from plumbing.rpc import channel_options
-from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "target")
@@ -60,7 +60,7 @@ def worker_stats(gateway: str) -> dict[str, common_pb2.WorkerLoad]:
             stub = (decode_pb2_grpc.DecodeWorkerStub(channel) if w.role == common_pb2.WORKER_ROLE_DECODE
                     else prefill_pb2_grpc.PrefillWorkerStub(channel))
             try:
-                stats[w.address] = stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)
+                stats[w.address] = stub.GetStats(common_pb2.GetStatsRequest(), timeout=5)
             except grpc.RpcError as exc:  # a worker killed by the test, not yet dropped
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise

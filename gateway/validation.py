@@ -8,15 +8,20 @@ from typing import Any
 from google.protobuf import unknown_fields
 
 from engine.sampling_params import SamplingParams
-from plumbing.convert import sampling_params_from_proto
-from splitserve.v1 import gateway_pb2
+from plumbing.convert import sampling_params_from_proto, sampling_params_to_proto
+from splitserve.v1 import common_pb2, gateway_pb2
 
 
 @dataclass(frozen=True)
 class ValidatedRequest:
+    """What validation produced, once: the workers get ``sampling``/``stopping``, the
+    canonical form of ``params`` (stop strings stay at the gateway)."""
+
     prompt_token_ids: list[int]
     params: SamplingParams
     stop_strings: tuple[str, ...]
+    sampling: common_pb2.SamplingParams
+    stopping: common_pb2.StoppingCriteria
 
 
 @dataclass(frozen=True)
@@ -90,4 +95,4 @@ def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limit
     if bad_stop is not None:
         raise ValueError(f"stopping.stop_token_ids: {bad_stop} is outside the vocabulary")
     params = sampling_params_from_proto(request.sampling, request.stopping)
-    return ValidatedRequest(prompt, params, stops)
+    return ValidatedRequest(prompt, params, stops, *sampling_params_to_proto(params))

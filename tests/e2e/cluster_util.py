@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,9 @@ class Streamed:
     details: str = ""
 
 
-def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float = 60.0) -> Streamed:
+def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float = 60.0,
+           started: threading.Event | None = None) -> Streamed:
+    """Run one Generate stream to its end; ``started`` is set on its first chunk."""
     out = Streamed()
     with grpc.insecure_channel(address) as channel:  # a plain client: gRPC's default limits
         try:
@@ -37,6 +40,8 @@ def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float = 
                 out.token_ids += list(chunk.token_ids)
                 out.text += chunk.text
                 out.chunks += 1
+                if started is not None:
+                    started.set()
                 if chunk.finish_reason:
                     out.finish_reason = chunk.finish_reason
                     out.timings = chunk.timings

@@ -246,7 +246,7 @@ def test_seeded_sampling_identical_across_split(ckpt_dir: Callable[..., Path], m
     assert all(math.isclose(x, y, abs_tol=1e-4) for x, y in zip(got_lp, want_lp))
     assert outs[3].top_logprobs is not None and len(outs[3].top_logprobs) == 16
     # The test has power: without skipping the prefill worker's draw, the tokens differ.
-    monkeypatch.setattr("engine.engine.skip_sampled_draws", lambda *args, **kwargs: None)
+    monkeypatch.setattr("engine.kv_handoff.skip_sampled_draws", lambda *args, **kwargs: None)
     unskipped = run_split(make_engine(path), make_engine(path), prompts[:4], list(SEEDED[:4]))
     assert [o.token_ids for o in unskipped] != [o.token_ids for o in expected[:4]]
 

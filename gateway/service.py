@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from engine.chat import ChatTemplate
 from gateway.registry import Registry, WorkerEntry
 from gateway.text import TextStream
 from gateway.validation import Limits, ValidatedRequest, validate
@@ -84,6 +85,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.registry = registry
         self.tokenizer = tokenizer
+        self.chat = ChatTemplate.of(tokenizer)  # None: chat requests are rejected
         self.limits = limits
         self.metrics = metrics
         self.model_name = model_name
@@ -132,7 +134,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             self.metrics.requests.labels(outcome="resource_exhausted").inc()
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.num_in_flight} requests in flight (max_in_flight={self.config.max_in_flight})")
-        req = validate(request, self.tokenizer, self.limits)
+        req = validate(request, self.tokenizer, self.limits, self.chat)
         self.num_in_flight += 1
         self.metrics.in_flight.inc()
         progress = Progress(start=time.monotonic())

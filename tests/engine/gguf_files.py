@@ -169,6 +169,11 @@ def _add_config(w: object, cfg: dict, arch: str) -> None:
     w.add_rope_freq_base(float(rope["rope_theta"]))  # type: ignore[attr-defined]
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))  # type: ignore[attr-defined]
     w.add_vocab_size(cfg["vocab_size"])  # type: ignore[attr-defined]
+    if rope.get("rope_type") == "linear":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)  # type: ignore[attr-defined]
+        w.add_rope_scaling_factor(float(rope["factor"]))  # type: ignore[attr-defined]
     if arch == "qwen3":
         w.add_key_length(head_dim)  # type: ignore[attr-defined]
         w.add_value_length(head_dim)  # type: ignore[attr-defined]

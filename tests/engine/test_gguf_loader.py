@@ -83,6 +83,15 @@ def test_gguf_of_a_checkpoint_runs_as_the_checkpoint(arch: str, tmp_path: Path, 
         torch.testing.assert_close(via_gguf(ids).logits, hf(ids).logits, rtol=0, atol=1e-5)
 
 
+def test_linear_rope_scaling_is_read(tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
+    src = ckpt_dir("llama", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    path = checkpoint_to_gguf(src, tmp_path / "linear.gguf")
+    prompt = [list(range(100, 400))]  # long enough for the scaling to matter
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = [Engine(EngineConfig(model=str(p), num_kv_blocks=64)).generate(prompt, params) for p in (src, path)]
+    assert outs[1][0].token_ids == outs[0][0].token_ids
+
+
 def test_quantized_checkpoint_weights_are_within_one_step(tmp_path: Path) -> None:
     path = checkpoint_to_gguf(TARGET, tmp_path / "target.q8_0.gguf", qtype="Q8_0")
     want = load_weights(str(TARGET), torch.float32)

@@ -69,3 +69,13 @@ def test_bad_chat_requests_name_the_field(chat: ChatTemplate, messages: gateway_
 def test_client_rejects_an_unknown_role() -> None:
     with pytest.raises(ValueError, match="chat role must be one of"):
         chat_messages([("robot", "beep")])
+
+
+def test_generate_takes_a_prompt_or_a_chat_message(capsys: pytest.CaptureFixture[str]) -> None:
+    from splitserve.cli import main
+
+    assert main(["generate"]) == 2
+    assert main(["generate", "def f():", "--chat", "hi"]) == 2
+    assert "give a PROMPT or --chat MESSAGE" in capsys.readouterr().err
+    assert main(["generate", "--in-process", "--model", str(MODEL), "--chat", "hi"]) == 2
+    assert "has no chat template" in capsys.readouterr().err

@@ -141,6 +141,8 @@ def add_engine_flags(p: argparse.ArgumentParser, default_model: str) -> None:
              help="speculative decoding (decode worker)")
     add_flag(p, "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
     add_flag(p, "--draft-model", default=None, help="draft checkpoint for --speculative draft_model")
+    add_flag(p, "--ngram-min", type=int, default=None,
+             help="shortest recurring suffix n-gram lookup drafts from (default: the method's)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -148,7 +150,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.speculative != "none":
         speculative = SpeculativeConfig(
             method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-            draft_model=args.draft_model,
+            draft_model=args.draft_model, ngram_min=args.ngram_min,
         )
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,

@@ -243,3 +243,19 @@ def write_tensors(dst: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: s
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def write_vocabulary(dst: Path, pre: str, tokens: list[str], merges: list[str]) -> Path:
+    """A GGUF file with nothing but a byte-level BPE vocabulary."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -17,7 +17,7 @@ from engine.models.gguf_reader import open_gguf
 from engine.models.gguf_weights import SUPPORTED_TENSOR_TYPES, dequantize
 from engine.models.loader import load_weights
 from engine.models.spec import load_model_spec, load_tokenizer
-from tests.engine.gguf_files import ENCODERS, checkpoint_to_gguf, encode_blocks, write_tensors
+from tests.engine.gguf_files import ENCODERS, checkpoint_to_gguf, encode_blocks, write_tensors, write_vocabulary
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "models" / "target"
@@ -145,31 +145,23 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 def test_unsupported_pre_tokenizer_is_named(tmp_path: Path) -> None:
-    import gguf
-
-    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
-    writer.add_token_list(["a", "b", "ab"])
-    writer.add_token_merges(["a b"])
-    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
-        write()
+    path = write_vocabulary(tmp_path / "t.gguf", "llama-bpe", ["a", "b", "ab"], ["a b"])
     with pytest.raises(ValueError, match=r"pre-tokenizer 'llama-bpe'.*supported: gpt2, smollm"):
-        load_tokenizer(str(tmp_path / "t.gguf"))
+        load_tokenizer(str(path))
 
 
 def test_merge_outside_the_vocabulary_is_an_error_not_a_panic(tmp_path: Path) -> None:
-    import gguf
-
-    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list(["a", "b"])
-    writer.add_token_merges(["a b"])
-    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
-        write()
+    path = write_vocabulary(tmp_path / "t.gguf", "gpt2", ["a", "b"], ["a b"])
     with pytest.raises(ValueError, match=r"merge 'a b' .* outside the vocabulary"):
-        load_tokenizer(str(tmp_path / "t.gguf"))
+        load_tokenizer(str(path))
+
+
+def test_smollm_pre_tokenizer_isolates_digits(tmp_path: Path) -> None:
+    tokens, merges = ["1", "2", "12", "Ġ", "Ġ1"], ["Ġ 1", "1 2"]
+    gpt2 = load_tokenizer(str(write_vocabulary(tmp_path / "gpt2.gguf", "gpt2", tokens, merges)))
+    smollm = load_tokenizer(str(write_vocabulary(tmp_path / "smollm.gguf", "smollm", tokens, merges)))
+    assert gpt2.convert_ids_to_tokens(gpt2.encode(" 12")) == ["Ġ1", "2"]
+    assert smollm.convert_ids_to_tokens(smollm.encode(" 12")) == ["Ġ", "1", "2"]
 
 
 def test_bad_and_truncated_files_get_clear_errors(tmp_path: Path) -> None:

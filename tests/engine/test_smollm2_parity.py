@@ -90,6 +90,21 @@ def test_greedy_tokens_and_logprobs_equal_transformers(engine: Engine, reference
     engine.check_integrity()
 
 
+def test_ngram_speculation_keeps_the_greedy_tokens(gguf_path: Path, engine: Engine) -> None:
+    from engine.spec_decode.config import SpeculativeConfig
+
+    chat = ChatTemplate.of(engine.tokenizer)
+    edit = "Rename `n` to `count` and show the code:\n\ndef twice(n):\n    return n + n\n"
+    prompts = [chat.render([("user", edit)]), engine.tokenizer.encode("for i in range(10):\n")]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    speculative = Engine(EngineConfig(model=str(gguf_path), max_model_len=512, num_kv_blocks=64,
+                                      speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)))
+    got = speculative.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in engine.generate(prompts, params)]
+    assert speculative.spec_stats.num_accepted_tokens > 0
+    speculative.check_integrity()
+
+
 def test_tokenizer_equals_transformers_gguf_tokenizer(gguf_path: Path, engine: Engine) -> None:
     from transformers import PreTrainedTokenizerFast
 

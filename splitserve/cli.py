@@ -204,11 +204,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=_bench)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """``splitserve generate``: through a gateway, or ``--in-process``."""
     from splitserve import config as cfg
-
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion of PROMPT (or a --chat answer) through the gateway")
     gen.add_argument("prompt", nargs="?", default=None, help="text to complete (or use --chat)")
@@ -235,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-speculative-tokens", type=int, default=4)
     gen.add_argument("--draft-model", default=str(BUNDLED_MODEL.parent / "draft"))
     gen.set_defaults(func=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from splitserve import config as cfg
+
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    add_generate_parser(sub)
     add_bench_parser(sub)
 
     gw = sub.add_parser("gateway", help="run the gateway")

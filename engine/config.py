@@ -37,7 +37,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model must name a local checkpoint directory")
+            raise ValueError("model must name a local checkpoint directory or GGUF file")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.block_size not in (8, 16, 32, 64, 128):

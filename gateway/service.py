@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
+from engine.chat import ChatTemplate
 from gateway import legs
 from gateway.legs import LegFailed, NoWorker
 from gateway.registry import Registry
@@ -42,6 +43,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.registry = registry
         self.tokenizer = tokenizer
+        self.chat = ChatTemplate.of(tokenizer)  # None: chat requests are rejected
         self.limits = limits
         self.metrics = metrics
         self.model_name = model_name
@@ -85,7 +87,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             self.metrics.requests.labels(outcome="resource_exhausted").inc()
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.num_in_flight} requests in flight (max_in_flight={self.config.max_in_flight})")
-        validated = validate(request, self.tokenizer, self.limits)
+        validated = validate(request, self.tokenizer, self.limits, self.chat)
         metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, str(rid)),)
         traceparent = metadata_value(context, TRACEPARENT_KEY)
         if traceparent is not None:

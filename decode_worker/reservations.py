@@ -46,6 +46,7 @@ class TransferRecord:
     done: asyncio.Future[TransferState] = field(repr=False)  # settled on DONE or FAILED
     header: kv_transfer_pb2.TransferHeader | None = None
     recv_started: float = 0.0
+    num_prior_draws: int = 0  # a migrated request: tokens of the prompt generated elsewhere
     # Held while pages are written into block_ids (receiver thread) and while the blocks are
     # freed (engine thread): a lease can never free blocks that are being written.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -61,6 +62,7 @@ class _Waiter:
     lease_s: float
     deadline: float
     granted: asyncio.Future[TransferRecord | None] = field(repr=False)
+    num_prior_draws: int = 0
 
 
 class ReservationTable:
@@ -79,11 +81,11 @@ class ReservationTable:
 
     # -- taking blocks ---------------------------------------------------------------------
     def request(self, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
-                lease_s: float, wait_s: float) -> asyncio.Future[TransferRecord | None]:
+                lease_s: float, wait_s: float, num_prior_draws: int = 0) -> asyncio.Future[TransferRecord | None]:
         """Reserve blocks for ``prompt`` now, or queue behind earlier waiters until blocks
         free up; the future gets the record, or None once ``wait_s`` passed."""
         waiter = _Waiter(rid, prompt, params, lease_s, time.monotonic() + wait_s,
-                         self._loop.create_future())
+                         self._loop.create_future(), num_prior_draws)
         self._waiters.append(waiter)
         self.serve_waiters(engine)
         return waiter.granted
@@ -107,7 +109,7 @@ class ReservationTable:
         record = TransferRecord(
             waiter.request_id, Transfer(self._new_transfer_id()), block_ids, waiter.prompt_token_ids,
             waiter.params, lease_deadline=time.monotonic() + waiter.lease_s,
-            done=self._loop.create_future(),
+            done=self._loop.create_future(), num_prior_draws=waiter.num_prior_draws,
         )
         tid = record.transfer.transfer_id
         self.pending[tid] = record
@@ -169,6 +171,7 @@ class ReservationTable:
                 record.request_id, record.prompt_token_ids, header.first_token_id, record.params,
                 first_logprob=first.logprob if first is not None else None,
                 first_top_logprobs=dict(first.top_logprobs) if first is not None and record.params.logprobs else None,
+                num_prior_draws=record.num_prior_draws,
             )
         except ValueError as exc:
             self.drop(engine, tid, f"admission refused: {exc}",

@@ -72,6 +72,9 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
             raise ValueError(f"prefill_mode must be PREFILL_MODE_LOCAL or PREFILL_MODE_REMOTE, got {request.prefill_mode}")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
+        num_prior = request.num_prior_output_tokens
+        if num_prior >= len(prompt):
+            raise ValueError(f"num_prior_output_tokens={num_prior} must be below the prompt's length {len(prompt)}")
         if rid in self.queues:
             raise ValueError(f"request_id {rid} is already being decoded here")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -80,7 +83,8 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         start = time.monotonic()
         try:
             if request.prefill_mode == decode_pb2.PREFILL_MODE_LOCAL:
-                await self.on_engine_thread(lambda e: e.add_request(prompt, params, request_id=rid))
+                await self.on_engine_thread(
+                    lambda e: e.add_request(prompt, params, request_id=rid, num_prior_draws=num_prior))
             else:
                 record = await self._reserve(rid, prompt, params, request)
                 yield decode_pb2.DecodeResponse(reserved=decode_pb2.Reservation(
@@ -139,7 +143,8 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         wait_s = max(request.reservation_wait_ms, 1) / 1000.0
         lease_s = min(max(request.lease_ms, 1), self.config.max_lease_ms) / 1000.0
         granted = await self.on_engine_thread(
-            lambda e: self.reservations.request(e, rid, prompt, params, lease_s, wait_s))
+            lambda e: self.reservations.request(e, rid, prompt, params, lease_s, wait_s,
+                                                request.num_prior_output_tokens))
         record = await granted
         if record is None:
             raise ServiceError(

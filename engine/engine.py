@@ -24,7 +24,7 @@ from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.proposers import Proposer, make_proposer
 from engine.outputs import CompletionOutput, EngineLoad, RequestOutput
 from engine.request import Request
-from engine.sampler import make_generator
+from engine.sampler import make_generator, skip_sampled_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -105,11 +105,21 @@ class Engine(KVHandoff):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.spec.vocab_size}")
 
     def _new_request(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, hold_kv: bool = False
+        self, request_id: str, token_ids: list[int], params: SamplingParams, hold_kv: bool = False,
+        num_skipped_draws: int = 0,
     ) -> Request:
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, hold_kv=hold_kv)
         request.generator = make_generator(params, self.runner.device)
+        skip_sampled_draws(params, request.generator, self.spec.vocab_size, num_skipped_draws)
         return request
+
+    @staticmethod
+    def _validate_prior_draws(num_prior_draws: object, prompt_len: int) -> int:
+        if not isinstance(num_prior_draws, int) or isinstance(num_prior_draws, bool) \
+                or not 0 <= num_prior_draws < prompt_len:
+            raise ValueError(f"num_prior_draws must be an integer in [0, {prompt_len}) "
+                             f"(tokens at the end of the prompt), got {num_prior_draws!r}")
+        return num_prior_draws
 
     def add_request(
         self,
@@ -118,6 +128,7 @@ class Engine(KVHandoff):
         request_id: str | None = None,
         *,
         hold_kv: bool = False,
+        num_prior_draws: int = 0,
     ) -> str:
         """Queue a request; returns its id. Invalid input raises ``ValueError`` and leaves
         the engine untouched.
@@ -126,12 +137,17 @@ class Engine(KVHandoff):
         blocks are kept, not freed, until ``release_kv`` (or ``abort``); see
         ``held_block_ids``. Its outputs are the usual ones (normally ``max_tokens=1``:
         ``params.for_prefill()``).
+
+        ``num_prior_draws`` (a request migrated mid-stream, whose last prompt tokens were
+        generated elsewhere): a seeded request's generator skips that many samples first, so
+        it continues the random stream of the run it resumes (< the prompt's length).
         """
         params = params or SamplingParams()
         self._validate_params(params)
         token_ids = self.tokenize(prompt)
+        self._validate_prior_draws(num_prior_draws, len(token_ids))
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = self._new_request(request_id, token_ids, params, hold_kv)
+        request = self._new_request(request_id, token_ids, params, hold_kv, num_prior_draws)
         self.scheduler.add(request)
         if self.tokenizer is not None and self.config.detokenize:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)

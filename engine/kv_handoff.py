@@ -24,7 +24,6 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.model_runner import SampledToken
-from engine.sampler import skip_sampled_draws
 from engine.sampling_params import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -113,6 +112,7 @@ class KVHandoff(_Base):
         *,
         first_logprob: float | None = None,
         first_top_logprobs: dict[int, float] | None = None,
+        num_prior_draws: int = 0,
     ) -> None:
         """Turn the reservation under ``request_id`` (its pages already unpacked) into a
         request whose prompt K/V are computed and whose output holds ``first_token_id``.
@@ -125,7 +125,8 @@ class KVHandoff(_Base):
           ``max_tokens == 1``, ``max_model_len``), its blocks are freed at once and the next
           ``step()`` returns its final output (``finished``, empty ``new_token_ids``).
         * Seeded sampling: the request's generator skips the draw the prefill worker made for
-          the first token, so its tokens equal an in-process run's (without speculation).
+          the first token, so its tokens equal an in-process run's (without speculation);
+          plus ``num_prior_draws`` for a migrated request (see ``add_request``).
         * Prefix caching: the received full prompt blocks are published in this worker's
           prefix cache (a block whose hash is already published stays private, unshared).
         * With ``params.logprobs`` set, ``first_logprob`` (and, for top-n, the prefill
@@ -149,9 +150,9 @@ class KVHandoff(_Base):
         vocab = self.spec.vocab_size
         if not is_int(first_token_id) or not 0 <= first_token_id < vocab:
             raise ValueError(f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}")
+        self._validate_prior_draws(num_prior_draws, len(token_ids))
         first = self._first_token(params, first_token_id, first_logprob, first_top_logprobs)
-        request = self._new_request(request_id, token_ids, params)
-        skip_sampled_draws(params, request.generator, vocab)
+        request = self._new_request(request_id, token_ids, params, num_skipped_draws=1 + num_prior_draws)
         request.append_output_token(first_token_id)
         self._record_logprobs(request, first)
         request.num_computed_tokens = len(token_ids)

@@ -5,7 +5,8 @@
     Decode stream ──▶ TokenChunk … DecodeFinished
 
 Prompts shorter than ``local_prefill_max_tokens`` (or any prompt when no prefill worker is
-alive) are prefilled by the decode worker itself. A leg that fails cancels the other (the
+alive) are prefilled by the decode worker itself. A migration (an attempt after tokens were
+sent) prefills the prompt plus those tokens the same way, with the budgets that are left. A leg that fails cancels the other (the
 workers free their blocks in their handlers' ``finally``) and raises ``LegFailed`` naming
 the worker to blame; the service decides whether to retry.
 """
@@ -51,14 +52,15 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
     decode = registry.pick_decode(req.excluded)
     if decode is None:
         raise NoWorker("no live decode worker")
-    prompt = req.prompt_token_ids
+    prompt = req.attempt_prompt
     local = len(prompt) < local_prefill_max_tokens or registry.pick_prefill(req.excluded) is None
     call = decode.stub.Decode(  # type: ignore[attr-defined]
         decode_pb2.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=prompt, sampling=req.validated.sampling,
-            stopping=req.validated.stopping,
+            stopping=req.attempt_stopping,
             prefill_mode=decode_pb2.PREFILL_MODE_LOCAL if local else decode_pb2.PREFILL_MODE_REMOTE,
             reservation_wait_ms=reservation_wait_ms, lease_ms=lease_ms,
+            num_prior_output_tokens=req.num_tokens,
         ),
         metadata=req.metadata, timeout=req.time_remaining(),
     )
@@ -66,7 +68,7 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
     try:
         pending: decode_pb2.DecodeResponse | None = None
         if not local:
-            first, pending = await _remote_prefill(req, registry, call, decode)
+            first, pending = await _remote_prefill(req, prompt, registry, call, decode)
             yield first
             if req.text.stopped:
                 yield req.final(common_pb2.FINISH_REASON_STOP, None)
@@ -79,7 +81,8 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
 
 
 async def _remote_prefill(
-    req: GatewayRequest, registry: Registry, call: grpc.aio.UnaryStreamCall, decode: WorkerEntry,
+    req: GatewayRequest, prompt: list[int], registry: Registry, call: grpc.aio.UnaryStreamCall,
+    decode: WorkerEntry,
 ) -> tuple[gateway_pb2.GenerateResponse, decode_pb2.DecodeResponse | None]:
     """Wait for the reservation, run the prefill leg; the first token's chunk, plus a decode
     message that arrived meanwhile (or None)."""
@@ -90,16 +93,17 @@ async def _remote_prefill(
     if prefill is None:
         raise NoWorker("no live prefill worker")
     queue_us = int((time.monotonic() - req.start) * 1e6)
-    prompt_len = len(req.prompt_token_ids)
+    prompt_len = len(prompt)
     prefill.num_routed_prefill_tokens += prompt_len
     task = asyncio.ensure_future(prefill.stub.Prefill(  # type: ignore[attr-defined]
         prefill_pb2.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=req.validated.sampling, stopping=req.validated.stopping,
+            request_id=req.request_id, prompt_token_ids=prompt,
+            sampling=req.validated.sampling, stopping=req.attempt_stopping,
             target=prefill_pb2.DecodeTarget(
                 worker_id=decode.worker_id, address=decode.address,
                 transfer_id=reserved.reserved.transfer_id, num_blocks=reserved.reserved.num_blocks,
             ),
+            num_prior_output_tokens=req.num_tokens,
         ),
         metadata=req.metadata, timeout=req.time_remaining(),
     ))
@@ -109,9 +113,10 @@ async def _remote_prefill(
         prefill.num_routed_prefill_tokens -= prompt_len
         if not task.done():
             task.cancel()
-    req.timings = common_pb2.PhaseTimings()
-    req.timings.CopyFrom(result.timings)
-    req.timings.queue_us = queue_us
+    if req.timings is None:  # the first token's path (a migration keeps the original's)
+        req.timings = common_pb2.PhaseTimings()
+        req.timings.CopyFrom(result.timings)
+        req.timings.queue_us = queue_us
     logprobs = [result.first_logprob] if result.HasField("first_logprob") else []
     return req.emit([result.first_token_id], logprobs), pending
 

@@ -2,7 +2,10 @@
 the client has been sent, and where the time went.
 
 Everything about a request that outlives one routing attempt lives here, so an attempt
-(``gateway/legs.py``) needs only this object and the registry.
+(``gateway/legs.py``) needs only this object and the registry. An attempt after tokens
+reached the client is a *migration*: it continues the request from what was sent
+(``attempt_prompt``: the prompt plus the sent tokens; ``attempt_stopping``: the budgets
+counted down; ``num_sent`` tokens whose draws a seeded generator skips).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ class GatewayRequest:
     metrics: GatewayMetrics
     start: float = field(default_factory=time.monotonic)
     excluded: set[int] = field(default_factory=set)  # workers that failed this request
-    num_tokens: int = 0  # sent to the client
+    token_ids: list[int] = field(default_factory=list)  # generated and sent to the client
+    migrations: int = 0  # continuations on another decode worker after tokens were sent
     last_emit: float = 0.0
     first_token_at: float = 0.0
     timings: common_pb2.PhaseTimings | None = None
@@ -39,9 +43,40 @@ class GatewayRequest:
         return self.validated.prompt_token_ids
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
     def streamed(self) -> bool:
-        """True once any token reached the client (no silent retry after that)."""
-        return self.num_tokens > 0
+        """True once any token reached the client (a failure then migrates the request)."""
+        return bool(self.token_ids)
+
+    @property
+    def attempt_prompt(self) -> list[int]:
+        """What the next attempt prefills: the prompt, then every token already sent."""
+        return self.validated.prompt_token_ids + self.token_ids
+
+    @property
+    def attempt_stopping(self) -> common_pb2.StoppingCriteria:
+        """The stopping criteria of the next attempt: what is left of the token budgets."""
+        stopping = common_pb2.StoppingCriteria()
+        stopping.CopyFrom(self.validated.stopping)
+        stopping.max_new_tokens -= self.num_tokens
+        stopping.min_new_tokens = max(0, stopping.min_new_tokens - self.num_tokens)
+        return stopping
+
+    def finished_by_sent(self, eos_token_ids: tuple[int, ...]) -> int | None:
+        """The finish reason the tokens already sent imply (the worker died before saying
+        so), as the engine decides it; None when the request must go on."""
+        params = self.validated.params
+        n = self.num_tokens
+        if n and n >= params.min_tokens:
+            last = self.token_ids[-1]
+            if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+                return common_pb2.FINISH_REASON_STOP
+        if n >= params.max_tokens:
+            return common_pb2.FINISH_REASON_LENGTH
+        return None
 
     def emit(self, token_ids: list[int], logprobs: list[common_pb2.TokenLogprob]) -> gateway_pb2.GenerateResponse:
         """The chunk that sends ``token_ids`` to the client (text as far as it is decided)."""
@@ -53,7 +88,7 @@ class GatewayRequest:
             gap = (now - self.last_emit) / len(token_ids)
             for _ in token_ids:
                 self.metrics.itl.observe(gap)
-        self.num_tokens += len(token_ids)
+        self.token_ids += token_ids
         self.last_emit = now
         return gateway_pb2.GenerateResponse(request_id=self.request_id, token_ids=token_ids,
                                             text=self.text.add(token_ids), logprobs=logprobs)
@@ -66,10 +101,11 @@ class GatewayRequest:
         if decode_timings is not None:
             timings.num_draft_tokens = decode_timings.num_draft_tokens
             timings.num_accepted_tokens = decode_timings.num_accepted_tokens
-            if decode_timings.prefill_us:
+            if decode_timings.prefill_us and not self.migrations:  # a local prefill: its time
                 timings.prefill_us = decode_timings.prefill_us
-            if not timings.num_cached_prompt_tokens:
+            if not timings.num_cached_prompt_tokens and not self.migrations:
                 timings.num_cached_prompt_tokens = decode_timings.num_cached_prompt_tokens
+        timings.migrations = self.migrations
         now = time.monotonic()
         timings.first_token_us = int(((self.first_token_at or now) - self.start) * 1e6)
         timings.total_us = int((now - self.start) * 1e6)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import structlog
 
-from engine.models.spec import load_model_spec, load_tokenizer, resolve_max_model_len
+from engine.models.spec import eos_token_ids, load_model_spec, load_tokenizer, resolve_max_model_len
 from gateway.registry import Registry
 from gateway.service import GatewayService
 from gateway.validation import Limits
@@ -22,7 +22,8 @@ SERVICE_NAMES = ["splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"]
 def model_limits(config: GatewayConfig) -> Limits:
     spec = load_model_spec(config.model)
     max_model_len = resolve_max_model_len(config.max_model_len, spec)
-    return Limits(spec.vocab_size, max_model_len, config.max_stop_strings, config.max_stop_string_bytes)
+    return Limits(spec.vocab_size, max_model_len, config.max_stop_strings, config.max_stop_string_bytes,
+                  eos_token_ids(config.model, spec))
 
 
 async def serve_gateway(config: GatewayConfig) -> None:

@@ -3,8 +3,11 @@ stream tokens back. One attempt's two legs are ``gateway/legs.py``'s; a request'
 ``gateway/request.py``'s; stop strings and detokenization are ``gateway/text.py``'s.
 
 A failure before any token reached the client is retried on other workers (up to
-``max_attempts``), avoiding the worker that failed; after that it ends the stream with
-UNAVAILABLE.
+``max_attempts``), avoiding the worker that failed. A failure after that *migrates* the
+request (up to ``max_migrations`` times): another decode worker prefills the prompt plus
+the tokens already sent and streams on from there, so the client sees every token once and
+no gap; the request's ``TextStream`` carries the text and stop strings across. Past the
+budget (or with no survivor) the stream ends with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -124,7 +127,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     async def _with_retries(self, req: GatewayRequest) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         last: LegFailed | None = None
-        for attempt in range(1, self.config.max_attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 async for response in legs.attempt(req, self.registry, self.config.local_prefill_max_tokens,
                                                    self.config.reservation_wait_ms, self.config.lease_ms):
@@ -140,10 +145,27 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     self.registry.drop(exc.worker.worker_id, f"lost during a request: {exc.details}")
                 req.excluded.add(exc.worker.worker_id)
                 log.warning("request.leg_failed", attempt=attempt, worker_id=exc.worker.worker_id,
-                            code=exc.code.name, details=exc.details, streamed=req.streamed)
-                if req.streamed or exc.code not in _RETRYABLE or attempt == self.config.max_attempts:
+                            code=exc.code.name, details=exc.details, num_sent=req.num_tokens)
+                if req.streamed:
+                    reason = req.finished_by_sent(self.limits.eos_token_ids)
+                    if reason is not None:  # the worker died after its last token: done
+                        yield req.final(reason, None)
+                        return
+                    self._migrate(req, exc)
+                    continue
+                if exc.code not in _RETRYABLE or attempt >= self.config.max_attempts:
                     raise self._final_error(exc) from None
                 self.metrics.retries.inc()
+
+    def _migrate(self, req: GatewayRequest, exc: LegFailed) -> None:
+        """Count a continuation of a request whose tokens reached the client, or raise the
+        final error when it may not be continued."""
+        if exc.code not in _RETRYABLE or req.migrations >= self.config.max_migrations:
+            raise self._final_error(exc) from None
+        req.migrations += 1
+        self.metrics.migrations.inc()
+        log.info("request.migrating", migration=req.migrations, num_sent=req.num_tokens,
+                 from_worker_id=exc.worker.worker_id)
 
     @staticmethod
     def _final_error(exc: LegFailed) -> ServiceError:

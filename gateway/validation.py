@@ -31,6 +31,7 @@ class Limits:
     max_model_len: int
     max_stop_strings: int
     max_stop_string_bytes: int
+    eos_token_ids: tuple[int, ...] = ()  # the model's (as the engine stops on them)
 
 
 def _is_repeated(descriptor: Any) -> bool:

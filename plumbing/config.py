@@ -97,6 +97,7 @@ class GatewayConfig:
     reservation_wait_ms: int = 5_000
     lease_ms: int = 15_000
     max_attempts: int = 3  # routing attempts while nothing was streamed
+    max_migrations: int = 2  # continuations on another decode worker after tokens were streamed
     max_stop_strings: int = 8
     max_stop_string_bytes: int = 256
 
@@ -105,6 +106,8 @@ class GatewayConfig:
                      "reservation_wait_ms", "lease_ms", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
 
@@ -190,6 +193,8 @@ def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--max-in-flight", type=int, default=256, help="concurrent requests before RESOURCE_EXHAUSTED")
     add_flag(p, "--reservation-wait-ms", type=int, default=5000, help="wait for decode KV blocks")
     add_flag(p, "--lease-ms", type=int, default=15000, help="decode reservation lease")
+    add_flag(p, "--max-migrations", type=int, default=2,
+             help="times a stream whose decode worker failed mid-stream is continued on another (0: never)")
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -198,5 +203,5 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         heartbeat_period_ms=args.heartbeat_period_ms, heartbeat_miss_count=args.heartbeat_miss_count,
         max_in_flight=args.max_in_flight, reservation_wait_ms=args.reservation_wait_ms,
-        lease_ms=args.lease_ms,
+        lease_ms=args.lease_ms, max_migrations=args.max_migrations,
     )

@@ -32,6 +32,7 @@ class GatewayMetrics:
     in_flight: Gauge
     workers: Gauge
     retries: Counter
+    migrations: Counter
 
     @classmethod
     def create(cls) -> GatewayMetrics:
@@ -46,6 +47,8 @@ class GatewayMetrics:
             in_flight=Gauge("splitserve_requests_in_flight", "Requests being served", registry=r),
             workers=Gauge("splitserve_workers", "Live workers by role", ["role"], registry=r),
             retries=Counter("splitserve_request_retries", "Requests re-routed before any token", registry=r),
+            migrations=Counter("splitserve_request_migrations",
+                               "Streams continued on another decode worker after tokens were sent", registry=r),
         )
 
 

@@ -53,11 +53,14 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         params = convert.sampling_params_from_proto(request.sampling, request.stopping).for_prefill()
         if not request.target.address:
             raise ValueError("target.address must name the decode worker")
+        num_prior = request.num_prior_output_tokens
+        if num_prior >= len(prompt):
+            raise ValueError(f"num_prior_output_tokens={num_prior} must be below the prompt's length {len(prompt)}")
         if rid in self.queues:
             raise ValueError(f"request_id {rid} is already being prefilled here")
         self.queues[rid] = asyncio.Queue()
         try:
-            out, timings = await self._first_token(rid, prompt, params)
+            out, timings = await self._first_token(rid, prompt, params, num_prior)
             first_logprob = None
             if out.logprobs:
                 tops = out.top_logprobs[0] if out.top_logprobs else None
@@ -75,11 +78,12 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             self.engine_thread.call(lambda e: self._free(e, rid))
 
     async def _first_token(
-        self, rid: str, prompt: list[int], params: SamplingParams,
+        self, rid: str, prompt: list[int], params: SamplingParams, num_prior: int,
     ) -> tuple[CompletionOutput, common_pb2.PhaseTimings]:
         """Run the prompt in the engine's batch (its KV held) to its first token."""
         start = time.monotonic()
-        await self.on_engine_thread(lambda e: e.add_request(prompt, params, request_id=rid, hold_kv=True))
+        await self.on_engine_thread(lambda e: e.add_request(prompt, params, request_id=rid, hold_kv=True,
+                                                            num_prior_draws=num_prior))
         out = CompletionOutput(rid, prompt)
         while not out.finished:
             out.add(await self.queues[rid].get())

@@ -81,7 +81,8 @@ def admit(b: Engine, t: Transfer, params: SamplingParams, done: Completions | No
     return ids
 
 
-def try_admit(b: Engine, t: Transfer, params: SamplingParams, done: Completions | None = None) -> list[int] | None:
+def try_admit(b: Engine, t: Transfer, params: SamplingParams, done: Completions | None = None,
+              num_prior_draws: int = 0) -> list[int] | None:
     """``admit``, or None (and no change) when B cannot reserve the blocks now. ``done``
     then expects the request's outputs, starting with its first token."""
     ids = b.reserve_kv(t.request_id, len(t.prompt_token_ids))
@@ -91,7 +92,8 @@ def try_admit(b: Engine, t: Transfer, params: SamplingParams, done: Completions 
     b.unpack_kv(t.request_id, t.packed)
     assert torch.equal(b.pack_kv(ids), t.packed)  # the pages landed intact in other block ids
     b.admit_prefilled(t.request_id, t.prompt_token_ids, t.first_token_id, params,
-                      first_logprob=t.first_logprob, first_top_logprobs=t.first_top_logprobs)
+                      first_logprob=t.first_logprob, first_top_logprobs=t.first_top_logprobs,
+                      num_prior_draws=num_prior_draws)
     if done is not None:
         done.expect(t.request_id, t.prompt_token_ids, t.first_token_id, t.first_logprob, t.first_top_logprobs)
     return ids
@@ -103,12 +105,14 @@ def run_split(
     prompts: list[list[int]],
     params: SamplingParams | list[SamplingParams],
     local_every: int = 0,
+    num_prior_draws: int = 0,
 ) -> list[CompletionOutput]:
     """Serve prompts across A -> B with both engines stepping in turn. A prefills every
     prompt except each ``local_every``-th (all queued at once); B admits one shipped request
     per step (staggered) and adds a local prompt with ``add_request`` every other step.
     Checks streaming: B's ``new_token_ids`` of a shipped request add up to its tokens after
-    the first. Returns B's final outputs in prompt order."""
+    the first. Returns B's final outputs in prompt order. ``num_prior_draws``: every prompt
+    continues a migrated request (its last tokens were generated earlier)."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     rids = [f"r{i}" for i in range(len(prompts))]
     is_local = [local_every > 0 and i % local_every == local_every - 1 for i in range(len(prompts))]
@@ -116,7 +120,8 @@ def run_split(
     on_a, on_b = Completions(), Completions()
     for i, rid in enumerate(rids):
         if not is_local[i]:
-            a.add_request(prompts[i], params_list[i].for_prefill(), rid, hold_kv=True)
+            a.add_request(prompts[i], params_list[i].for_prefill(), rid, hold_kv=True,
+                          num_prior_draws=num_prior_draws)
             on_a.expect(rid, prompts[i])
     ready: list[Transfer] = []
     local = [i for i in range(len(prompts)) if is_local[i]]
@@ -125,11 +130,11 @@ def run_split(
     step = 0
     while len(final) < len(prompts):
         ready += [ship(a, out) for out in on_a.feed(a.step())]
-        if ready and try_admit(b, ready[0], by_id[ready[0].request_id], on_b) is not None:
+        if ready and try_admit(b, ready[0], by_id[ready[0].request_id], on_b, num_prior_draws) is not None:
             ready.pop(0)  # else B's pool is full now: retry next step
         if local and step % 2 == 0:
             i = local.pop(0)
-            b.add_request(prompts[i], params_list[i], rids[i])
+            b.add_request(prompts[i], params_list[i], rids[i], num_prior_draws=num_prior_draws)
             on_b.expect(rids[i], prompts[i])
         outs = b.step()
         for out in outs:
@@ -246,7 +251,7 @@ def test_seeded_sampling_identical_across_split(ckpt_dir: Callable[..., Path], m
     assert all(math.isclose(x, y, abs_tol=1e-4) for x, y in zip(got_lp, want_lp))
     assert outs[3].top_logprobs is not None and len(outs[3].top_logprobs) == 16
     # The test has power: without skipping the prefill worker's draw, the tokens differ.
-    monkeypatch.setattr("engine.kv_handoff.skip_sampled_draws", lambda *args, **kwargs: None)
+    monkeypatch.setattr("engine.engine.skip_sampled_draws", lambda *args, **kwargs: None)
     unskipped = run_split(make_engine(path), make_engine(path), prompts[:4], list(SEEDED[:4]))
     assert [o.token_ids for o in unskipped] != [o.token_ids for o in expected[:4]]
 

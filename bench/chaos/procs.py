@@ -1,0 +1,163 @@
+"""A local cluster whose processes can be paused, killed and restarted on the same address.
+
+``ChaosCluster`` is ``splitserve.cluster.Cluster`` (real processes on 127.0.0.1) plus what a
+fault campaign needs: SIGSTOP/SIGCONT, kill -9, a restart that binds the address the dead
+process had, a count of processes that exited unbidden (crashes), and the time until a
+(re)started worker is listed as SERVING by the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from plumbing.rpc import channel_options
+from splitserve.cluster import Cluster
+from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
+
+ROLES = ("gateway", "prefill", "decode")
+
+
+@dataclass
+class Crash:
+    name: str
+    exit_code: int | None
+    at_s: float
+
+
+class ChaosCluster(Cluster):
+    """``Cluster`` that remembers how each process was started, so it can start it again."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.started_with: dict[str, tuple[str, list[str]]] = {}
+        self.expected_exit: set[str] = set()  # killed by us, not yet restarted
+        self.crashes: list[Crash] = []
+        self.t0 = time.monotonic()
+        self._channels: dict[str, grpc.aio.Channel] = {}  # by address (they reconnect after a restart)
+
+    def _spawn(self, name: str, role: str, flags: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+        self.started_with[name] = (role, list(flags))
+        return super()._spawn(name, role, flags)
+
+    def names(self, role: str) -> list[str]:
+        """The processes of a role: ["gateway"], ["prefill-0", ...], ["decode-0", ...]."""
+        return sorted(n for n in self.procs if n.startswith(role))
+
+    # -- faults ------------------------------------------------------------------------
+    def kill(self, name: str) -> None:
+        """kill -9 (the process gets no chance to clean up)."""
+        self.expected_exit.add(name)
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait()
+
+    def pause(self, name: str) -> None:
+        os.kill(self.procs[name].pid, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        os.kill(self.procs[name].pid, signal.SIGCONT)
+
+    async def restart(self, name: str, timeout_s: float = 120.0) -> float:
+        """Start ``name`` again on the address it had; returns when it is ready (monotonic)."""
+        role, flags = self.started_with[name]
+        port = self.addresses[name].rsplit(":", 1)[1]
+        flags = _with_port(flags, port)
+        ready = Path(self._tmp.name) / f"{name}.addr"
+        ready.unlink(missing_ok=True)
+        if self.log_dir is not None and (self.log_dir / f"{name}.log").exists():
+            num_old = len(list(self.log_dir.glob(f"{name}.*.log")))  # keep each incarnation's log
+            (self.log_dir / f"{name}.log").rename(self.log_dir / f"{name}.{num_old}.log")
+        proc, ready = self._spawn(name, role, flags)
+        deadline = time.monotonic() + timeout_s
+        while not (ready.exists() and ready.read_text()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} while restarting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not ready after {timeout_s} s")
+            await asyncio.sleep(0.01)
+        self.expected_exit.discard(name)
+        if ready.read_text().strip() != self.addresses[name]:
+            raise RuntimeError(f"{name} came back on {ready.read_text()}, not {self.addresses[name]}")
+        return time.monotonic()
+
+    def check_crashes(self) -> list[str]:
+        """Processes that exited without being killed by us (recorded once each)."""
+        dead = []
+        for name, proc in self.procs.items():
+            if name not in self.expected_exit and proc.poll() is not None:
+                self.crashes.append(Crash(name, proc.returncode, time.monotonic() - self.t0))
+                self.expected_exit.add(name)
+                dead.append(name)
+        return dead
+
+    # -- observation -------------------------------------------------------------------
+    def channel(self, name: str) -> grpc.aio.Channel:
+        """A cached channel to a process (reconnecting within 100-500 ms after a restart)."""
+        address = self.addresses[name]
+        if address not in self._channels:
+            options = [*channel_options(), ("grpc.initial_reconnect_backoff_ms", 100),
+                       ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+            self._channels[address] = grpc.aio.insecure_channel(address, options=options)
+        return self._channels[address]
+
+    async def close_channels(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def serving(self) -> dict[str, float]:
+        """Addresses the gateway lists as SERVING, with the age of the freshest heartbeat it
+        handled from each (empty when the gateway does not answer)."""
+        try:
+            info = await gateway_pb2_grpc.GatewayStub(self.channel("gateway")).GetInfo(
+                gateway_pb2.GetInfoRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return {}
+        ages: dict[str, float] = {}
+        for w in info.workers:
+            if w.state == common_pb2.WORKER_STATE_SERVING:
+                ages[w.address] = min(ages.get(w.address, float("inf")), w.heartbeat_age_ms / 1000)
+        return ages
+
+    async def wait_in_routing(self, names: list[str], since: float, timeout_s: float = 10.0) -> float | None:
+        """Seconds from ``since`` (ready, or SIGCONT) until the gateway lists every one of
+        ``names`` as SERVING with a registration or heartbeat it handled after ``since``
+        (polled every 20 ms; an entry left from before a pause or a kill does not count);
+        None if not within ``timeout_s``."""
+        want = {self.addresses[n] for n in names}
+        while time.monotonic() - since < timeout_s:
+            asked = time.monotonic()
+            ages = await self.serving()
+            fresh = {a for a, age in ages.items() if age <= asked - since + 0.1}
+            if want <= fresh:
+                return time.monotonic() - since
+            await asyncio.sleep(0.02)
+        return None
+
+    async def stats(self, name: str, timeout_s: float = 2.0) -> common_pb2.WorkerLoad | None:
+        """A worker's exact load (GetStats), or None when it does not answer."""
+        role = self.started_with[name][0]
+        stub_type = decode_pb2_grpc.DecodeWorkerStub if role == "decode" else prefill_pb2_grpc.PrefillWorkerStub
+        try:
+            return await stub_type(self.channel(name)).GetStats(common_pb2.GetStatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return None
+
+    def workers(self) -> list[str]:
+        return [n for n in self.procs if n != "gateway"]
+
+
+def _with_port(flags: list[str], port: str) -> list[str]:
+    out = list(flags)
+    if "--port" in out:
+        out[out.index("--port") + 1] = port
+    else:
+        out += ["--port", port]
+    return out

@@ -1,0 +1,127 @@
+"""One fuzz run against a gateway + 1 prefill + 1 decode worker (real processes on 127.0.0.1):
+structured, wire-level and raw-bytes families against every RPC of every service, floods,
+then the registry's own RPCs (last, since they add bogus workers). Meanwhile a probe times
+the gateway's heartbeat handling. At the end: statuses per family and method, undocumented
+ones, crashes, and the workers' pools after a drain."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from bench.chaos.procs import ChaosCluster
+from bench.chaos.run import drain
+from bench.fuzz import cases as fuzz_cases
+from bench.fuzz.methods import BY_NAME, GATEWAY, Method
+from bench.fuzz.profile import FuzzProfile
+from bench.fuzz.send import HeartbeatProbe, Result, run_all
+from splitserve.client import make_request
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = str(REPO / "models" / "target")
+
+
+def _flood_cases(profile: FuzzProfile, seed: int, vocab_size: int) -> dict[str, list[fuzz_cases.Case]]:
+    rng = random.Random(f"{seed}:flood")
+    generate = GATEWAY[0]
+    valid = [(generate, make_request([rng.randrange(vocab_size) for _ in range(rng.randint(1, 60))],
+                                     rng.randint(1, 6)).SerializeToString(), "flood:requests")
+             for _ in range(profile.flood_requests)]
+    huge = [(generate, make_request("word " * 780_000, 4).SerializeToString(), "flood:huge_prompts")
+            for _ in range(profile.flood_huge_prompts)]
+    junk = [(generate, rng.randbytes(rng.randint(0, 4096)), "flood:garbage") for _ in range(profile.flood_garbage)]
+    return {"flood:requests": valid, "flood:huge_prompts": huge, "flood:garbage": junk}
+
+
+async def _families(cluster: ChaosCluster, profile: FuzzProfile, seed: int, vocab_size: int,
+                    results: list[Result]) -> None:
+    decode, prefill = cluster.addresses["decode-0"], cluster.addresses["prefill-0"]
+    targets = {"gateway": cluster.addresses["gateway"], "decode": decode, "prefill": prefill}
+    structured = fuzz_cases.structured(profile, seed, vocab_size, decode)
+    bases: dict[str, list[bytes]] = defaultdict(list)
+    for method, payload, _ in structured:
+        bases[method.path].append(payload)
+    families: list[tuple[str, list[fuzz_cases.Case], int]] = [
+        ("structured", structured, profile.concurrency),
+        ("wire", fuzz_cases.wire(profile, seed, bases), profile.concurrency),
+    ]
+    families += [(name, c, len(c)) for name, c in _flood_cases(profile, seed, vocab_size).items()]
+    families.append(("registry", fuzz_cases.registry(profile, seed), profile.concurrency))
+    for _name, family, concurrency in families:
+        by_target: dict[str, list[fuzz_cases.Case]] = defaultdict(list)
+        for case in family:
+            by_target[case[0].target].append(case)
+        for target, target_cases in by_target.items():
+            results += await run_all(targets[target], target_cases, max(1, concurrency))
+        cluster.check_crashes()
+
+
+def summarize(profile: FuzzProfile, seed: int, results: list[Result], probe: HeartbeatProbe, loads: dict,
+              cluster: ChaosCluster, load_start: tuple[float, ...], seconds: float) -> dict:
+    by_family: dict[str, Counter] = defaultdict(Counter)
+    by_method: dict[str, Counter] = defaultdict(Counter)
+    undocumented = []
+    for r in results:
+        by_family[r.family][r.code] += 1
+        by_method[r.method][r.code] += 1
+        method: Method = BY_NAME[r.method]
+        if r.code not in method.documented:
+            undocumented.append(r)
+    leaked = sum(v.get("total", 0) - v.get("free", 0) + v.get("in_transfer", 0) for v in loads.values())
+    period_s = profile.heartbeat_period_ms / 1000
+    rtts = sorted(probe.rtts)
+    heartbeat = {"period_ms": profile.heartbeat_period_ms, "beats": len(rtts), "failures": probe.failures,
+                 "rtt_p50_ms": round(rtts[len(rtts) // 2] * 1000, 1) if rtts else None,
+                 "rtt_max_ms": round(rtts[-1] * 1000, 1) if rtts else None,
+                 "late": sum(1 for r in rtts if r > period_s)}
+    checks = {"no_undocumented_status": not undocumented, "no_crash": not cluster.crashes,
+              "no_leaked_blocks": leaked == 0 and all("unreachable" not in v for v in loads.values()),
+              "heartbeat_never_late": heartbeat["late"] == 0 and probe.failures == 0 and bool(rtts)}
+    return {
+        "profile": profile.name, "seed": seed, "seconds": round(seconds, 1), "cases": len(results),
+        "load_average": {"start": load_start, "end": os.getloadavg()},
+        "statuses": dict(Counter(r.code for r in results)),
+        "by_family": {k: dict(v) for k, v in sorted(by_family.items())},
+        "by_method": {k: dict(v) for k, v in sorted(by_method.items())},
+        "undocumented": len(undocumented),
+        "undocumented_examples": dict(Counter(f"{r.method} {r.family} {r.code}: {r.details[:90]}"
+                                              for r in undocumented).most_common(15)),
+        "slowest_s": round(max((r.seconds for r in results), default=0.0), 2),
+        "crashes": [vars(c) for c in cluster.crashes], "leaked_blocks": leaked, "final_loads": loads,
+        "heartbeat": heartbeat, "checks": checks, "passed": all(checks.values()),
+    }
+
+
+def run_fuzz(profile: FuzzProfile, seed: int, model: str = DEFAULT_MODEL, log_dir: str | None = None) -> dict:
+    from engine.models.spec import load_model_spec
+
+    load_start = os.getloadavg()
+    t0 = time.monotonic()
+    vocab_size = load_model_spec(model).vocab_size
+    cluster = ChaosCluster(model, num_prefill=1, num_decode=1, log_dir=log_dir, gateway_flags=[
+        "--max-in-flight", str(profile.max_in_flight), "--heartbeat-period-ms", str(profile.heartbeat_period_ms)])
+    results: list[Result] = []
+    cluster.start()
+    probe = HeartbeatProbe(cluster.addresses["gateway"], profile.heartbeat_period_ms / 1000)
+    probe.start()
+
+    async def main() -> dict:
+        try:
+            await _families(cluster, profile, seed, vocab_size, results)
+        finally:
+            probe.stop()
+        loads = await drain(cluster, 30.0)
+        await cluster.close_channels()
+        return loads
+
+    try:
+        loads = asyncio.run(main())
+        cluster.check_crashes()
+    finally:
+        cluster.stop()
+    return summarize(profile, seed, results, probe, loads, cluster, load_start, time.monotonic() - t0)
+

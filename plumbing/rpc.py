@@ -16,6 +16,7 @@ from urllib.parse import unquote
 
 import grpc
 import structlog
+from google.protobuf import unknown_fields
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -95,7 +96,10 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
 
     def deserialize(data: bytes) -> Any:
         try:
-            return deserializer(data)
+            message = deserializer(data)
+            if any(f.field_number == 0 for f in unknown_fields.UnknownFieldSet(message)):
+                return Undecodable("field number 0 is not valid")  # upb accepts it in an empty message
+            return message
         except Exception as exc:  # noqa: BLE001 - DecodeError and whatever a parser raises
             return Undecodable(str(exc) or type(exc).__name__)
 

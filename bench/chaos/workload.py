@@ -109,7 +109,7 @@ def golden_replies(model: str, specs: list[RequestSpec], gateway_flags: dict[str
     from plumbing.config import GatewayConfig, ServerConfig
 
     tokenizer = load_tokenizer(model)
-    limits = model_limits(GatewayConfig(server=ServerConfig(), model=model, **gateway_flags))
+    limits = model_limits(GatewayConfig(server=ServerConfig(), model=model, **gateway_flags), tokenizer)
     validated = [validate(s.to_proto(), tokenizer, limits) for s in specs]
     engine = Engine(EngineConfig(model=model, num_threads=1, max_num_seqs=64))
     outs = engine.generate([v.prompt_token_ids for v in validated], [v.params for v in validated])

@@ -56,12 +56,13 @@ class ScriptedDecode(decode_pb2_grpc.DecodeWorkerServicer):
 
 async def run_gateway(workers: list[ScriptedDecode], request: gateway_pb2.GenerateRequest,
                       max_migrations: int = 2, eos: tuple[int, ...] = ()) -> tuple[list[gateway_pb2.GenerateResponse], grpc.StatusCode | None, GatewayMetrics]:
-    """Serve a gateway whose registry holds ``workers`` (registered in order, so ties route to
-    the first), stream ``request`` through it; the chunks, the error code, the metrics."""
+    """Serve a gateway whose registry holds ``workers`` (each reporting a little more load than
+    the one before, so routing tries them in order), stream ``request`` through it; the
+    chunks, the error code, the metrics."""
     config = GatewayConfig(server=ServerConfig(), model=MODEL, max_migrations=max_migrations)
     registry = Registry("target", 1000, 3)
     metrics = GatewayMetrics.create()
-    limits = replace(model_limits(config), eos_token_ids=eos)
+    limits = replace(model_limits(config, TOKENIZER), eos_token_ids=eos)
     servers = [rpc.make_server() for _ in range(len(workers) + 1)]
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayService(config, registry, TOKENIZER, limits, metrics, "target"), servers[0])
@@ -71,10 +72,10 @@ async def run_gateway(workers: list[ScriptedDecode], request: gateway_pb2.Genera
             decode_pb2_grpc.add_DecodeWorkerServicer_to_server(worker, server)
         ports.append(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
-    for port in ports[1:]:
+    for i, port in enumerate(ports[1:]):  # each a little busier than the one before
         await registry.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
-            role=common_pb2.WORKER_ROLE_DECODE, address=f"127.0.0.1:{port}", model="target",
-            load=common_pb2.WorkerLoad(kv_blocks_total=100, kv_blocks_free=100)), None)
+            role=common_pb2.WORKER_ROLE_DECODE, address=f"127.0.0.1:{port}", model="target", incarnation=port,
+            load=common_pb2.WorkerLoad(kv_blocks_total=100, kv_blocks_free=100 - i)), None)
     chunks, code = [], None
     async with grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}") as channel:
         try:

@@ -109,7 +109,7 @@ async def fire(cluster: ChaosCluster, fault: Fault, rng: random.Random, catch_s:
         else:
             cluster.kill(target)
             await asyncio.sleep(restart_delay_s)
-            record.until = await cluster.restart(target)
+            record.until = await cluster.restart_async(target)
         back_names = [n for n in back_names if n not in cluster.expected_exit]
         record.back_in_routing_s = await cluster.wait_in_routing(back_names, record.until)
     except (RuntimeError, TimeoutError) as exc:

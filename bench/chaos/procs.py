@@ -1,9 +1,9 @@
 """A local cluster whose processes can be paused, killed and restarted on the same address.
 
-``ChaosCluster`` is ``splitserve.cluster.Cluster`` (real processes on 127.0.0.1) plus what a
-fault campaign needs: SIGSTOP/SIGCONT, kill -9, a restart that binds the address the dead
-process had, a count of processes that exited unbidden (crashes), and the time until a
-(re)started worker is listed as SERVING by the gateway.
+``ChaosCluster`` is ``splitserve.cluster.Cluster`` (real processes on 127.0.0.1, kill and
+restart on the same address) plus what a fault campaign needs: SIGSTOP/SIGCONT, a restart
+that does not block the event loop, a count of processes that exited unbidden (crashes),
+exact loads (GetStats), and the time until a (re)started process is back in routing.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
@@ -33,30 +31,27 @@ class Crash:
 
 
 class ChaosCluster(Cluster):
-    """``Cluster`` that remembers how each process was started, so it can start it again."""
+    """``Cluster`` plus pause/resume, crash accounting and an asynchronous restart."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.started_with: dict[str, tuple[str, list[str]]] = {}
         self.expected_exit: set[str] = set()  # killed by us, not yet restarted
         self.crashes: list[Crash] = []
         self.t0 = time.monotonic()
         self._channels: dict[str, grpc.aio.Channel] = {}  # by address (they reconnect after a restart)
 
-    def _spawn(self, name: str, role: str, flags: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
-        self.started_with[name] = (role, list(flags))
-        return super()._spawn(name, role, flags)
-
     def names(self, role: str) -> list[str]:
         """The processes of a role: ["gateway"], ["prefill-0", ...], ["decode-0", ...]."""
         return sorted(n for n in self.procs if n.startswith(role))
 
+    def role(self, name: str) -> str:
+        return self._commands[name][0]
+
     # -- faults ------------------------------------------------------------------------
-    def kill(self, name: str) -> None:
-        """kill -9 (the process gets no chance to clean up)."""
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """kill -9 by default (the process gets no chance to clean up); not a crash."""
         self.expected_exit.add(name)
-        self.procs[name].send_signal(signal.SIGKILL)
-        self.procs[name].wait()
+        return super().kill(name, sig)
 
     def pause(self, name: str) -> None:
         os.kill(self.procs[name].pid, signal.SIGSTOP)
@@ -64,17 +59,14 @@ class ChaosCluster(Cluster):
     def resume(self, name: str) -> None:
         os.kill(self.procs[name].pid, signal.SIGCONT)
 
-    async def restart(self, name: str, timeout_s: float = 120.0) -> float:
-        """Start ``name`` again on the address it had; returns when it is ready (monotonic)."""
-        role, flags = self.started_with[name]
+    async def restart_async(self, name: str, timeout_s: float = 120.0) -> float:
+        """``restart`` without blocking the event loop: ``name`` again on the address it had;
+        returns when it is ready (monotonic)."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        role, flags = self._commands[name]
         port = self.addresses[name].rsplit(":", 1)[1]
-        flags = _with_port(flags, port)
-        ready = Path(self._tmp.name) / f"{name}.addr"
-        ready.unlink(missing_ok=True)
-        if self.log_dir is not None and (self.log_dir / f"{name}.log").exists():
-            num_old = len(list(self.log_dir.glob(f"{name}.*.log")))  # keep each incarnation's log
-            (self.log_dir / f"{name}.log").rename(self.log_dir / f"{name}.{num_old}.log")
-        proc, ready = self._spawn(name, role, flags)
+        proc, ready = self._spawn(name, role, [*flags, "--port", port])  # the last --port wins
         deadline = time.monotonic() + timeout_s
         while not (ready.exists() and ready.read_text()):
             if proc.poll() is not None:
@@ -143,8 +135,7 @@ class ChaosCluster(Cluster):
 
     async def stats(self, name: str, timeout_s: float = 2.0) -> common_pb2.WorkerLoad | None:
         """A worker's exact load (GetStats), or None when it does not answer."""
-        role = self.started_with[name][0]
-        stub_type = decode_pb2_grpc.DecodeWorkerStub if role == "decode" else prefill_pb2_grpc.PrefillWorkerStub
+        stub_type = decode_pb2_grpc.DecodeWorkerStub if self.role(name) == "decode" else prefill_pb2_grpc.PrefillWorkerStub
         try:
             return await stub_type(self.channel(name)).GetStats(common_pb2.GetStatsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError:
@@ -153,11 +144,3 @@ class ChaosCluster(Cluster):
     def workers(self) -> list[str]:
         return [n for n in self.procs if n != "gateway"]
 
-
-def _with_port(flags: list[str], port: str) -> list[str]:
-    out = list(flags)
-    if "--port" in out:
-        out[out.index("--port") + 1] = port
-    else:
-        out += ["--port", port]
-    return out

@@ -45,7 +45,7 @@ async def _watch_crashes(cluster: ChaosCluster, stop: asyncio.Event) -> None:
         for name in cluster.check_crashes():
             log.error("chaos.crash", process=name)
             try:
-                await cluster.restart(name)
+                await cluster.restart_async(name)
             except (RuntimeError, TimeoutError) as exc:
                 log.error("chaos.restart_failed", process=name, error=str(exc))
         await asyncio.sleep(0.2)

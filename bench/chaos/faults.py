@@ -55,6 +55,7 @@ class FaultRecord:
     until: float = 0.0  # monotonic, when the target was back (restarted or resumed)
     back_in_routing_s: float | None = None  # from ready (or SIGCONT) to SERVING at the gateway
     error: str = ""
+    phase: str = ""  # of the run ("migration", "chaos")
 
 
 def _busy(load: common_pb2.WorkerLoad | None, phase: str, role: str) -> bool:
@@ -118,9 +119,11 @@ async def fire(cluster: ChaosCluster, fault: Fault, rng: random.Random, catch_s:
 
 
 async def inject(cluster: ChaosCluster, plan: list[Fault], seed: int, gap_s: float, catch_s: float,
-                 restart_delay_s: float, records: list[FaultRecord]) -> None:
+                 restart_delay_s: float, records: list[FaultRecord], phase: str) -> None:
     """Fire ``plan`` in order, ``gap_s`` apart (the load recovers in between)."""
-    rng = random.Random(f"{seed}:targets")
+    rng = random.Random(f"{seed}:{phase}:targets")
     for fault in plan:
         await asyncio.sleep(gap_s)
-        records.append(await fire(cluster, fault, rng, catch_s, restart_delay_s))
+        record = await fire(cluster, fault, rng, catch_s, restart_delay_s)
+        record.phase = phase
+        records.append(record)

@@ -19,9 +19,10 @@ ROLES = ("gateway", "prefill", "decode")
 class ChaosProfile:
     name: str
     min_requests: int  # the faulted phase sends at least this many (and runs until the plan is done)
-    baseline_requests: int  # the no-fault phase before it, same workload, side by side
+    baseline_requests: int  # measured no-fault requests before it (after a warm-up pass over the workload)
     num_faults: int  # >= the number of fault types
     num_distinct: int = 150  # the load cycles through this many distinct requests (golden replies to compute)
+    migration_kills: int = 0  # a phase of kill -9 of decode workers mid-decode only (0: none)
     concurrency: int = 6
     max_new_tokens: int = 32
     deadline_s: float = 60.0  # per request
@@ -57,6 +58,6 @@ def fault_types(profile: ChaosProfile) -> list[Fault]:
 
 SMALL = ChaosProfile("small", min_requests=200, baseline_requests=40, num_faults=15, num_distinct=120,
                      concurrency=4, max_new_tokens=32)
-LARGE = ChaosProfile("large", min_requests=1000, baseline_requests=200, num_faults=45, num_distinct=1000,
-                     concurrency=8, max_new_tokens=48, gap_s=2.0)
+LARGE = ChaosProfile("large", min_requests=1000, baseline_requests=300, num_faults=45, num_distinct=1000,
+                     concurrency=8, max_new_tokens=48, gap_s=2.0, migration_kills=6)
 PROFILES = {p.name: p for p in (SMALL, LARGE)}

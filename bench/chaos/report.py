@@ -38,13 +38,16 @@ def _ms(value: float | None) -> float | None:
 
 
 def phase_cost(outcomes: list[Outcome]) -> dict:
-    """TTFT and output throughput of one phase (OK requests; tokens of every request)."""
+    """TTFT, each stream's longest gap between token chunks, output throughput of one phase
+    (OK requests; tokens of every request)."""
     if not outcomes:
         return {}
     ttfts = [o.ttft_s for o in outcomes if o.code == "OK" and o.ttft_s is not None]
+    gaps = [o.max_gap_s for o in outcomes if o.code == "OK" and len(o.token_ids) > 1]
     seconds = max(o.end for o in outcomes) - min(o.start for o in outcomes)
     tokens = sum(len(o.token_ids) for o in outcomes)
     return {"requests": len(outcomes), "ttft_p50_ms": _ms(_pct(ttfts, 0.5)), "ttft_p99_ms": _ms(_pct(ttfts, 0.99)),
+            "longest_gap_p50_ms": _ms(_pct(gaps, 0.5)), "longest_gap_p99_ms": _ms(_pct(gaps, 0.99)),
             "output_tokens": tokens, "seconds": round(seconds, 2), "output_tok_per_s": round(tokens / seconds, 1)}
 
 
@@ -82,6 +85,7 @@ def mismatches(outcomes: list[Outcome], golden: dict[int, Golden]) -> list[dict]
 def fault_figures(records: list[FaultRecord], planned: int) -> dict:
     back = [r.back_in_routing_s for r in records if r.back_in_routing_s is not None]
     return {"planned": planned, "fired": len(records), "phase_caught": sum(r.caught for r in records),
+            "phase_not_caught": [f"{r.fault.name} {r.target}" for r in records if not r.caught],
             "by_type": dict(Counter(r.fault.name for r in records)),
             "down_s_p50": round(statistics.median([r.until - r.at for r in records]), 2) if records else None,
             "errors": [f"{r.fault.name} {r.target}: {r.error}" for r in records if r.error],
@@ -94,33 +98,42 @@ def fault_figures(records: list[FaultRecord], planned: int) -> dict:
 def summarize(profile: ChaosProfile, seed: int, model: str, outcomes: list[Outcome], records: list[FaultRecord],
               golden: dict[int, Golden], loads: dict, crashes: list[Crash], exit_codes: dict,
               load_start: tuple[float, ...], load_end: tuple[float, ...], seconds: float) -> dict:
-    baseline = [o for o in outcomes if o.phase == "baseline"]
-    chaos = [o for o in outcomes if o.phase == "chaos"]
+    by_phase = {p: [o for o in outcomes if o.phase == p] for p in ("warmup", "baseline", "migration", "chaos")}
+    faulted = by_phase["migration"] + by_phase["chaos"]
     bad = mismatches(outcomes, golden)
     leaked = sum(v.get("total", 0) - v.get("free", 0) + v.get("in_transfer", 0) for v in loads.values())
     unreachable = [n for n, v in loads.items() if "unreachable" in v]
     hangs = [o for o in outcomes if o.hung or o.code == "DEADLINE_EXCEEDED"]
     statuses = dict(Counter(o.code for o in outcomes))
-    faults = fault_figures(records, profile.num_faults)
+    chaos_records = [r for r in records if r.phase == "chaos"]
+    faults = fault_figures(records, profile.num_faults + profile.migration_kills)
+    cost = {p: phase_cost(by_phase[p]) for p in ("baseline", "migration", "chaos") if by_phase[p]}
+    base = cost["baseline"]
+    for figures in cost.values():
+        figures["ttft_p50_vs_baseline"] = _ratio(figures["ttft_p50_ms"], base["ttft_p50_ms"])
+        figures["output_tok_per_s_vs_baseline"] = _ratio(figures["output_tok_per_s"], base["output_tok_per_s"])
     checks = {
         "no_leaked_blocks": leaked == 0 and not unreachable,
         "no_mismatch": not bad,
         "no_hang": not hangs,
         "no_unknown_internal": not (statuses.get("UNKNOWN", 0) + statuses.get("INTERNAL", 0)),
         "no_crash": not crashes,
-        "every_fault_fired": len(records) == profile.num_faults and not faults["errors"],
+        "every_fault_fired": len(chaos_records) == profile.num_faults and not faults["errors"],
         "back_in_routing_within_2s": not faults["not_back_in_2s"],
     }
     return {
         "profile": profile.name, "seed": seed, "model": model, "seconds": round(seconds, 1),
         "load_average": {"start": load_start, "end": load_end},
-        "requests": {"baseline": len(baseline), "chaos": len(chaos)},
-        "statuses": statuses, "statuses_chaos": dict(Counter(o.code for o in chaos)),
+        "requests": {p: len(v) for p, v in by_phase.items()},
+        "statuses": statuses, "statuses_by_phase": {p: dict(Counter(o.code for o in v)) for p, v in by_phase.items()},
         "hangs": len(hangs), "leaked_blocks": leaked, "final_loads": loads,
         "crashes": [vars(c) for c in crashes], "exit_codes": exit_codes,
         "mismatches": len(bad), "mismatch_examples": bad[:5],
-        "faults": faults, "migration": migration_figures(chaos, records),
-        "cost": {"baseline": phase_cost(baseline), "chaos": phase_cost(chaos)},
+        "faults": faults, "migration": migration_figures(faulted, records), "cost": cost,
         "errors_by_detail": dict(Counter(f"{o.code}: {o.details[:100]}" for o in outcomes if o.code != "OK").most_common(12)),
         "checks": checks, "passed": all(checks.values()),
     }
+
+
+def _ratio(value: float | None, baseline: float | None) -> float | None:
+    return None if value is None or not baseline else round(value / baseline, 3)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import structlog
 
-from bench.chaos.faults import FaultRecord, inject
+from bench.chaos.faults import Fault, FaultRecord, inject
 from bench.chaos.load import Outcome, drive
 from bench.chaos.procs import ChaosCluster
 from bench.chaos.profile import ChaosProfile
@@ -68,16 +68,27 @@ async def drain(cluster: ChaosCluster, timeout_s: float) -> dict[str, dict[str, 
 
 async def _phases(cluster: ChaosCluster, profile: ChaosProfile, seed: int, tokenizer: object,
                   outcomes: list[Outcome], records: list[FaultRecord]) -> dict[str, dict[str, int]]:
+    """warm-up (every distinct request once, so prefix caches are as warm as later) ->
+    baseline (no fault) -> migration (decode workers killed mid-decode, when the profile has
+    it) -> chaos (the fault plan); then the drain."""
     address = cluster.addresses["gateway"]
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_crashes(cluster, stop))
-    await drive(address, spec_stream(seed, tokenizer, profile), profile.concurrency,
-                profile.deadline_s, "baseline", lambda n: n < profile.baseline_requests, outcomes)
-    injector = asyncio.create_task(inject(cluster, profile.plan(seed), seed, profile.gap_s, profile.catch_s,
-                                          profile.restart_delay_s, records))
-    await drive(address, spec_stream(seed, tokenizer, profile), profile.concurrency,
-                profile.deadline_s, "chaos", lambda n: not injector.done() or n < profile.min_requests, outcomes)
-    await injector
+    specs = spec_stream(seed, tokenizer, profile)
+    await drive(address, specs, profile.concurrency, profile.deadline_s, "warmup",
+                lambda n: n < profile.num_distinct, outcomes)
+    await drive(address, specs, profile.concurrency, profile.deadline_s, "baseline",
+                lambda n: n < profile.baseline_requests, outcomes)
+    plans = [("migration", [Fault("kill", "decode", "decode")] * profile.migration_kills, 0),
+             ("chaos", profile.plan(seed), profile.min_requests)]
+    for phase, plan, min_requests in plans:
+        if not plan:
+            continue
+        injector = asyncio.create_task(inject(cluster, plan, seed, profile.gap_s, profile.catch_s,
+                                              profile.restart_delay_s, records, phase))
+        await drive(address, specs, profile.concurrency, profile.deadline_s, phase,
+                    lambda n: not injector.done() or n < min_requests, outcomes)  # noqa: B023 - awaited here
+        await injector
     loads = await drain(cluster, profile.drain_timeout_s)
     stop.set()
     await watcher

@@ -52,7 +52,7 @@ REGISTRY = [
 WORKERS = [
     _m("/splitserve.v1.DecodeWorker/Decode", "decode", decode_pb2.DecodeRequest, True, "UNAVAILABLE"),
     _m("/splitserve.v1.DecodeWorker/OpenKVChannel", "decode", kv_transfer_pb2.KVChannelHandshake, False,
-       "FAILED_PRECONDITION", "UNAVAILABLE"),
+       "FAILED_PRECONDITION", "UNAVAILABLE", "PERMISSION_DENIED"),  # PERMISSION_DENIED: not the caller's address
     _m("/splitserve.v1.DecodeWorker/AnnounceTransfer", "decode", kv_transfer_pb2.TransferHeader, False,
        "FAILED_PRECONDITION", "NOT_FOUND", "UNAVAILABLE"),
     _m("/splitserve.v1.DecodeWorker/AwaitTransfer", "decode", kv_transfer_pb2.AwaitTransferRequest, False, "NOT_FOUND"),

@@ -8,7 +8,7 @@ exact loads (GetStats, polled every few ms) show it:
 phase           prefill worker (the target)    decode worker (the target)              gateway (any worker)
 =============== ============================== ======================================= =========================
 before_prefill  prompts queued, none computing a reservation waits, no pages packed yet a decode reservation waits
-prefill         computing a prompt             prefilling a prompt itself (local)      a prefill worker computes
+prefill         a prompt queued or computing   prefilling a prompt itself (local)      a prefill worker computes
 transfer        holding packed pages           a reservation waits for its pages       a prefill worker holds pages
 decode          a decode worker is decoding    decoding                                a decode worker decodes
 =============== ============================== ======================================= =========================
@@ -63,8 +63,8 @@ def _busy(load: common_pb2.WorkerLoad | None, phase: str, role: str) -> bool:
         return False
     if phase == "before_prefill":
         return load.num_waiting > 0 if role == "prefill" else load.kv_blocks_in_transfer > 0
-    if phase == "prefill":
-        return load.num_running > 0 if role == "prefill" else load.num_queued_prefill_tokens > 0
+    if phase == "prefill":  # a prompt computing, or queued and not yet computed
+        return load.num_queued_prefill_tokens > 0 or (role == "prefill" and load.num_running > 0)
     if phase == "transfer":
         return load.kv_blocks_in_transfer > 0
     return load.num_running > 0 if role == "decode" else False
@@ -72,7 +72,8 @@ def _busy(load: common_pb2.WorkerLoad | None, phase: str, role: str) -> bool:
 
 async def in_phase(cluster: ChaosCluster, target: str, phase: str) -> bool:
     role = target.split("-")[0]
-    loads = {n: await cluster.stats(n, 0.5) for n in cluster.workers() if n not in cluster.expected_exit}
+    names = [n for n in cluster.workers() if n not in cluster.expected_exit]
+    loads = dict(zip(names, await asyncio.gather(*(cluster.stats(n, 0.5) for n in names))))
     if role == "gateway":
         watch = {"before_prefill": "decode", "prefill": "prefill", "transfer": "prefill", "decode": "decode"}[phase]
         return any(_busy(loads[n], phase, watch) for n in loads if n.startswith(watch))

@@ -164,3 +164,21 @@ def test_min_new_tokens_keeps_an_eos_going() -> None:
     chunks, code, _ = generate([ScriptedDecode(die_after=4), ScriptedDecode()], request, eos=(SCRIPT[3],))
     assert code is None and tokens(chunks) == SCRIPT[:8]
     assert chunks[-1].timings.migrations == 1
+
+
+def test_max_migrations_flag_env_and_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from plumbing.config import add_gateway_flags, gateway_config
+
+    def parse(*argv: str) -> GatewayConfig:
+        parser = argparse.ArgumentParser()
+        add_gateway_flags(parser, MODEL)
+        return gateway_config(parser.parse_args(list(argv)))
+
+    assert parse().max_migrations == 2
+    assert parse("--max-migrations", "0").max_migrations == 0
+    monkeypatch.setenv("SPLITSERVE_MAX_MIGRATIONS", "5")
+    assert parse().max_migrations == 5
+    with pytest.raises(ValueError, match="max_migrations"):
+        GatewayConfig(server=ServerConfig(), model=MODEL, max_migrations=-1)

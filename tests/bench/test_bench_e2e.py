@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.benchmark.report import figure_problems, is_skipped
+from bench.report import figure_problems, is_skipped
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from splitserve.benchmark.loadgen import LoadGenerator, LoadPlan, poisson_offsets
-from splitserve.benchmark.metrics import Slo
-from splitserve.benchmark.online import measure
-from splitserve.benchmark.workloads import RequestSpec
+from bench.loadgen import LoadGenerator, LoadPlan, poisson_offsets
+from bench.metrics import Slo
+from bench.online import measure
+from bench.workload import RequestSpec
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 BAD_TOKEN = 0  # the fake rejects prompts that start with it

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from splitserve.benchmark.metrics import (
+from bench.metrics import (
     RequestRecord,
     ServerTimings,
     Slo,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.benchmark.workloads import (
+from bench.workload import (
     FIRST_ORDINARY_ID,
     LengthDist,
     code_completion,

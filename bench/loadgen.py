@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from splitserve.benchmark.metrics import RequestRecord, ServerTimings
-from splitserve.benchmark.workloads import RequestSpec
+from bench.metrics import RequestRecord, ServerTimings
+from bench.workload import RequestSpec
 
 OnDone = Callable[[RequestRecord], None]
 

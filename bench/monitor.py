@@ -71,14 +71,14 @@ class KvMonitor:
 
     async def _poll(self, workers: list[tuple[str, str, object]]) -> None:
         from plumbing.rpc import channel_options
-        from splitserve.v1 import prefill_pb2
+        from splitserve.v1 import common_pb2
 
         channels = [grpc.aio.insecure_channel(addr, options=channel_options()) for _, addr, _ in workers]
         stubs = [stub_cls(ch) for (_, _, stub_cls), ch in zip(workers, channels)]
         try:
             while not self._stopping.is_set():
                 replies = await asyncio.gather(
-                    *(stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=2.0) for stub in stubs),
+                    *(stub.GetStats(common_pb2.GetStatsRequest(), timeout=2.0) for stub in stubs),
                     return_exceptions=True)
                 now = time.perf_counter()
                 for (name, _, _), load in zip(workers, replies):

@@ -99,7 +99,7 @@ def _decode_alone(engine: Engine, prompt: list[int], params: SamplingParams) -> 
             now = time.perf_counter()
             first = first if first is not None else now
             last = now
-            tokens = out.token_ids
+            tokens += out.new_token_ids
     return len(tokens) - 1, (last or 0.0) - (first or 0.0), tokens
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput"]
+__all__ = ["CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,8 +24,8 @@ def __getattr__(name: str) -> Any:
         from engine.sampling_params import SamplingParams
 
         return SamplingParams
-    if name == "RequestOutput":
-        from engine.outputs import RequestOutput
+    if name in ("RequestOutput", "CompletionOutput"):
+        from engine import outputs
 
-        return RequestOutput
+        return getattr(outputs, name)
     raise AttributeError(name)

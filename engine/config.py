@@ -31,10 +31,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Incremental text in outputs (RequestOutput.new_text). The serving workers turn it off:
+    # only the gateway needs text, and it detokenizes there.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model must name a local checkpoint directory")
+            raise ValueError("model must name a local checkpoint directory or GGUF file")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.block_size not in (8, 16, 32, 64, 128):

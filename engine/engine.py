@@ -4,38 +4,27 @@ A serving loop calls ``step()`` repeatedly; each step schedules one ragged batch
 forward, samples, and returns the requests that advanced. Not thread-safe: one loop owns
 an ``Engine``; other threads hand it work through a queue.
 
-KV transfer hooks (no transport here; the workers move the tensors)::
-
-    prefill worker                                 decode worker
-    add_request(p, params.for_prefill(),           reserve_kv(rid, len(p)) -> block ids | None
-                rid, hold_kv=True)
-    step() ... until rid finishes (first token)
-    held_block_ids(rid) -> ids; pack_kv(ids) ----> unpack_kv(reserved ids, packed)
-    release_kv(rid)                                admit_prefilled(rid, p, first token, params)
-                                                   step() ... streams tokens 2, 3, ...
-    abort(rid) frees held blocks                   abort(rid) / cancel_reservation(rid)
+The KV hand-off between a prefill and a decode worker (hold, pack, release; reserve,
+unpack, admit) is ``engine/kv_handoff.py``'s part of the class.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_layout import KVLayout
+from engine.kv_handoff import KVHandoff
 from engine.model_runner import ModelRunner, SampledToken
 from engine.models.spec import eos_token_ids, load_tokenizer
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.proposers import Proposer, make_proposer
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
-from engine.sampler import make_generator, skip_sampled_draws
+from engine.outputs import CompletionOutput, EngineLoad, RequestOutput
+from engine.request import Request
+from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -54,11 +43,7 @@ class EngineStats:
     num_received_prompt_tokens: int = 0  # prompt tokens whose K/V came from another worker
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class Engine:
+class Engine(KVHandoff):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
@@ -148,7 +133,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self._new_request(request_id, token_ids, params, hold_kv)
         self.scheduler.add(request)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.config.detokenize:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
         return request_id
 
@@ -165,151 +150,6 @@ class Engine:
         """True while a request is queued or running, or an output is still to be returned.
         Held and reserved blocks do not count: they wait on the caller, not on ``step()``."""
         return self.scheduler.has_unfinished() or bool(self._early_outputs)
-
-    # -- KV transfer: prefill worker -------------------------------------------------------
-    def held_block_ids(self, request_id: str) -> list[int]:
-        """The blocks holding a finished ``hold_kv`` request's prompt K/V, in token order:
-        ``ceil(num_prompt_tokens / block_size)`` ids (the sampled first token has no K/V
-        here; the decode worker computes it). ValueError if nothing is held under the id."""
-        return self.kv.held_block_ids(request_id)
-
-    def pack_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A contiguous copy of pages ``block_ids`` of every layer,
-        ``kv_layout.packed_shape(len(block_ids))`` = ``[L, 2, n, block_size, kv_heads,
-        head_dim]``. Being a copy, it stays valid after ``release_kv`` (on CUDA: for work
-        queued later on the same stream)."""
-        return self.runner.pack_kv(self._check_block_ids(block_ids, distinct=False))
-
-    def release_kv(self, request_id: str) -> bool:
-        """Free the blocks held under ``request_id`` (once). False if none are held."""
-        return self.kv.release(request_id)
-
-    # -- KV transfer: decode worker --------------------------------------------------------
-    @property
-    def kv_layout(self) -> KVLayout:
-        """The paged-KV shape both workers must agree on before exchanging pages."""
-        return self.runner.kv_layout
-
-    def reserve_kv(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
-        """Take ``ceil(num_prompt_tokens / block_size)`` fresh blocks for a sequence whose
-        prompt K/V will arrive (``unpack_kv``); then ``admit_prefilled`` or
-        ``cancel_reservation``. Returns the block ids, or None when the pool cannot supply
-        them now (retry after blocks are freed). Reserving takes free blocks, evicting only
-        unreferenced cached ones: it never preempts and never touches a block a request
-        holds. Reserved blocks count as used in ``num_free_blocks``.
-
-        ValueError if the sequence could never run here (``num_prompt_tokens`` < 1, >=
-        ``max_model_len``, or with its first output token more blocks than the pool) or the
-        id is in use (queued, running, held or reserved)."""
-        if not _is_int(num_prompt_tokens) or num_prompt_tokens < 1:
-            raise ValueError(f"num_prompt_tokens must be an integer >= 1, got {num_prompt_tokens!r}")
-        self._validate_prompt_len(num_prompt_tokens, "num_prompt_tokens")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if self.scheduler.is_known(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.kv.reserve(request_id, num_prompt_tokens)
-
-    def unpack_kv(self, block_ids: Sequence[int], packed: torch.Tensor) -> None:
-        """Write page i of ``packed`` (``kv_layout.packed_shape(len(block_ids))``, the cache
-        dtype; another device is copied over) into block ``block_ids[i]``. Every id must be
-        a reserved block: unpacking never overwrites a block a request or the prefix cache
-        relies on. ValueError on a shape, dtype or block id mismatch."""
-        ids = self._check_block_ids(block_ids, distinct=True)
-        reserved = self.kv.reserved_block_ids()
-        stray = [b for b in ids if b not in reserved]
-        if stray:
-            raise ValueError(f"block_ids {stray} are not reserved (unpack only into reserve_kv blocks)")
-        self.runner.unpack_kv(ids, packed)
-
-    def admit_prefilled(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        first_token_id: int,
-        params: SamplingParams,
-        *,
-        first_logprob: float | None = None,
-        first_top_logprobs: dict[int, float] | None = None,
-    ) -> None:
-        """Turn the reservation under ``request_id`` (its pages already unpacked) into a
-        request whose prompt K/V are computed and whose output holds ``first_token_id``.
-        The next steps compute the first token's K/V and sample token 2 onwards.
-
-        * Outputs: ``token_ids`` (and ``text``, ``logprobs``) include the first token;
-          ``new_token_ids`` / ``new_text`` of step() outputs only ever hold later tokens (the
-          first was streamed by the prefill leg).
-        * If ``first_token_id`` already finishes the request (EOS, a stop token,
-          ``max_tokens == 1``, ``max_model_len``), its blocks are freed at once and the next
-          ``step()`` returns its final output (``finished``, empty ``new_token_ids``).
-        * Seeded sampling: the request's generator skips the draw the prefill worker made for
-          the first token, so its tokens equal an in-process run's (without speculation).
-        * Prefix caching: the received full prompt blocks are published in this worker's
-          prefix cache (a block whose hash is already published stays private, unshared).
-        * With ``params.logprobs`` set, ``first_logprob`` (and, for top-n, the prefill
-          worker's ``first_top_logprobs``) are required, so ``logprobs[i]`` stays the
-          logprob of ``token_ids[i]``.
-
-        Validates like ``add_request`` (ValueError naming the field); on ValueError the
-        reservation is untouched, so the caller can still cancel it. ``prompt_token_ids``
-        must have exactly the reserved length.
-        """
-        num_reserved = self.kv.reserved_num_tokens(request_id)
-        if num_reserved is None:
-            raise ValueError(f"request_id {request_id!r} has no reservation (reserve_kv first)")
-        token_ids = list(prompt_token_ids)
-        self._validate_prompt(token_ids, "prompt_token_ids")
-        if len(token_ids) != num_reserved:
-            raise ValueError(
-                f"prompt_token_ids has {len(token_ids)} tokens; the reservation is for {num_reserved}"
-            )
-        self._validate_params(params, "params")
-        vocab = self.spec.vocab_size
-        if not _is_int(first_token_id) or not 0 <= first_token_id < vocab:
-            raise ValueError(f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}")
-        first = self._first_token(params, first_token_id, first_logprob, first_top_logprobs)
-        request = self._new_request(request_id, token_ids, params)
-        skip_sampled_draws(params, request.generator, vocab)
-        request.append_output_token(first_token_id)
-        self._record_logprobs(request, first)
-        request.num_computed_tokens = len(token_ids)
-        self.stats.num_received_prompt_tokens += len(token_ids)
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids)
-            detok.add([first_token_id])
-            self._detok[request_id] = detok
-        if not self.scheduler.add_prefilled(request):
-            self._early_outputs.append(self._make_output(request, num_before=1))
-
-    @staticmethod
-    def _first_token(
-        params: SamplingParams, token_id: int, logprob: float | None, top_logprobs: dict[int, float] | None
-    ) -> SampledToken:
-        if params.logprobs is None:
-            return SampledToken(token_id)
-        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
-            raise ValueError("first_logprob (a float) is required when params.logprobs is set")
-        if params.logprobs == 0:
-            return SampledToken(token_id, float(logprob))
-        if not isinstance(top_logprobs, dict):
-            raise ValueError("first_top_logprobs (token id -> logprob) is required when params.logprobs > 0")
-        return SampledToken(token_id, float(logprob), dict(top_logprobs))
-
-    def cancel_reservation(self, request_id: str) -> bool:
-        """Free a reservation's blocks (once). False if there is no reservation under the id."""
-        return self.kv.cancel_reservation(request_id)
-
-    def _check_block_ids(self, block_ids: Sequence[int], distinct: bool) -> list[int]:
-        num_blocks = self.kv.num_blocks
-        try:
-            ids = [operator.index(b) for b in block_ids]
-        except TypeError:
-            ids = [-1]
-        if any(not 0 <= b < num_blocks for b in ids):
-            raise ValueError(f"block_ids must be integers in [0, {num_blocks})")
-        if distinct and len(set(ids)) != len(ids):
-            raise ValueError("block_ids must be distinct")
-        return ids
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -394,26 +234,23 @@ class Engine:
             request.output_top_logprobs.append(token.top_logprobs)
 
     def _make_output(self, request: Request, num_before: int) -> RequestOutput:
+        """What this step added to ``request`` (output tokens from index ``num_before``)."""
         new_token_ids = request.output_token_ids[num_before:]
         detok = self._detok.get(request.request_id)
         new_text = detok.add(new_token_ids) if detok is not None else ""
         finished = request.status.finished
         if finished:
             self._detok.pop(request.request_id, None)
-        wants_logprobs = request.sampling_params.logprobs is not None
+        num_logprobs = request.sampling_params.logprobs
         return RequestOutput(
             request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
             new_token_ids=new_token_ids,
-            text=detok.text if detok is not None else "",
+            new_logprobs=request.output_logprobs[num_before:] if num_logprobs is not None else None,
+            new_top_logprobs=request.output_top_logprobs[num_before:] if num_logprobs else None,
             new_text=new_text,
             finished=finished,
             finish_reason=request.status.finish_reason,
-            logprobs=list(request.output_logprobs) if wants_logprobs else None,
-            top_logprobs=list(request.output_top_logprobs)
-            if wants_logprobs and request.sampling_params.logprobs
-            else None,
+            num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
             num_draft_tokens=request.num_draft_tokens,
@@ -424,7 +261,7 @@ class Engine:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
+    ) -> list[CompletionOutput]:
         """Run prompts to completion; outputs in prompt order. All prompts are validated
         before any is queued."""
         if isinstance(prompts, str) or (
@@ -440,12 +277,15 @@ class Engine:
                 raise ValueError("params: need one SamplingParams per prompt")
         token_lists = [self.tokenize(p) for p in prompt_list]
         ids = [self.add_request(t, p) for t, p in zip(token_lists, param_list)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids) and self.has_unfinished_requests():
+        done = {i: CompletionOutput(i, t) for i, t in zip(ids, token_lists)}
+        num_finished = 0
+        while num_finished < len(ids) and self.has_unfinished_requests():
             for output in self.step():
-                if output.finished:
-                    final[output.request_id] = output
-        return [final[i] for i in ids]
+                completion = done.get(output.request_id)
+                if completion is not None:
+                    completion.add(output)
+                    num_finished += output.finished
+        return [done[i] for i in ids]
 
     def check_integrity(self) -> None:
         """Raise if any KV block is leaked, double-freed or held by a finished request."""
@@ -454,3 +294,18 @@ class Engine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
+
+    def load(self) -> EngineLoad:
+        """A snapshot of queues, pool and speculation counters (call on the owning thread)."""
+        sched = self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
+        spec = None
+        if self.proposer is not None:
+            stats = self.spec_stats
+            spec = replace(stats, accepted_per_position=list(stats.accepted_per_position))
+        return EngineLoad(
+            num_blocks_total=self.kv.num_blocks, num_blocks_free=self.kv.num_free_blocks,
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_queued_prefill_tokens=queued, spec=spec,
+        )

@@ -2,10 +2,11 @@
 it through ``call()``.
 
 The engine is not thread-safe, so this thread is its only owner. Between steps it runs the
-queued calls, then one ``engine.step()``, then hands the outputs to ``on_outputs`` (which
-must not block: services push them onto asyncio queues with ``call_soon_threadsafe``), so a
-slow client never stalls the batch. When idle it waits on a condition, waking for new calls
-or every ``idle_tick_s`` to run ``on_tick`` (lease expiry and similar housekeeping).
+queued calls, then ``on_tick`` (lease expiry, reservation waiters and similar housekeeping),
+then one ``engine.step()``, hands the outputs to ``on_outputs`` (which must not block:
+services push them onto asyncio queues with ``call_soon_threadsafe``), so a slow client never
+stalls the batch, and publishes ``load``, a snapshot other threads read instead of engine
+state. When idle it waits on a condition, waking for new calls or every ``idle_tick_s``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 import structlog
 
 from engine.engine import Engine
-from engine.outputs import RequestOutput
+from engine.outputs import EngineLoad, RequestOutput
 
 T = TypeVar("T")
 
@@ -49,8 +50,11 @@ class EngineThread:
         self._calls: deque[tuple[Callable[[Engine], Any], Future[Any]]] = deque()
         self._cv = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-thread", daemon=True)
         self.num_steps = 0
+        # Replaced (never mutated) by the engine thread after every iteration: any thread may
+        # read it without touching engine state.
+        self.load: EngineLoad = engine.load()
 
     def start(self) -> None:
         self._thread.start()
@@ -88,6 +92,7 @@ class EngineThread:
             self._tick()
             if self.engine.has_unfinished_requests():
                 self._step()
+            self.load = self.engine.load()
         with self._cv:
             pending = list(self._calls)
             self._calls.clear()

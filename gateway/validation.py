@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from google.protobuf import unknown_fields
 
+from engine.chat import ChatTemplate
 from engine.sampling_params import SamplingParams
-from plumbing.convert import sampling_params_from_proto
-from splitserve.v1 import gateway_pb2
+from plumbing.convert import sampling_params_from_proto, sampling_params_to_proto
+from splitserve.v1 import common_pb2, gateway_pb2
 
 
 @dataclass(frozen=True)
 class ValidatedRequest:
+    """What validation produced, once: the workers get ``sampling``/``stopping``, the
+    canonical form of ``params`` (stop strings stay at the gateway)."""
+
     prompt_token_ids: list[int]
     params: SamplingParams
     stop_strings: tuple[str, ...]
+    sampling: common_pb2.SamplingParams
+    stopping: common_pb2.StoppingCriteria
 
 
 @dataclass(frozen=True)
@@ -45,13 +51,32 @@ def _reject_unknown_fields(message: Any, path: str) -> None:
                 _reject_unknown_fields(value, f"{path}.{descriptor.name}".lstrip("."))
 
 
-def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limits) -> ValidatedRequest:
-    """Raise ``ValueError`` naming the offending field; return what the workers need."""
+_ROLE_NAMES = {gateway_pb2.CHAT_ROLE_SYSTEM: "system", gateway_pb2.CHAT_ROLE_USER: "user",
+               gateway_pb2.CHAT_ROLE_ASSISTANT: "assistant"}
+
+
+def _chat_prompt(request: gateway_pb2.GenerateRequest, chat: ChatTemplate | None) -> list[int]:
+    if chat is None:
+        raise ValueError("prompt.chat: this model has no chat template; send prompt.text or prompt.token_ids")
+    messages = []
+    for i, message in enumerate(request.chat.messages):
+        if message.role not in _ROLE_NAMES:
+            raise ValueError(f"prompt.chat.messages[{i}].role must be set (system, user or assistant)")
+        messages.append((_ROLE_NAMES[message.role], message.content))
+    return chat.render(messages, field="prompt.chat.messages")
+
+
+def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limits,
+             chat: ChatTemplate | None = None) -> ValidatedRequest:
+    """Raise ``ValueError`` naming the offending field; return what the workers need.
+    ``chat``: the model's chat template, for ``prompt.chat`` (None: the model has none)."""
     _reject_unknown_fields(request, "")
     which = request.WhichOneof("prompt")
     if which is None:
-        raise ValueError("prompt: set text or token_ids")
-    if which == "text":
+        raise ValueError("prompt: set text, token_ids or chat")
+    if which == "chat":
+        prompt = _chat_prompt(request, chat)
+    elif which == "text":
         if not request.text:
             raise ValueError("prompt.text must not be empty")
         if tokenizer is None:
@@ -90,4 +115,7 @@ def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limit
     if bad_stop is not None:
         raise ValueError(f"stopping.stop_token_ids: {bad_stop} is outside the vocabulary")
     params = sampling_params_from_proto(request.sampling, request.stopping)
-    return ValidatedRequest(prompt, params, stops)
+    if which == "chat" and chat is not None and not params.ignore_eos:
+        end_ids = tuple(t for t in chat.end_of_turn_ids if t not in params.stop_token_ids)
+        params = replace(params, stop_token_ids=params.stop_token_ids + end_ids)
+    return ValidatedRequest(prompt, params, stops, *sampling_params_to_proto(params))

@@ -128,7 +128,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def add_engine_flags(p: argparse.ArgumentParser, default_model: str) -> None:
-    add_flag(p, "--model", default=default_model, help="local checkpoint directory")
+    add_flag(p, "--model", default=default_model, help="local checkpoint directory or .gguf file")
     add_flag(p, "--dtype", default="float32", help="float32|bfloat16|float16")
     add_flag(p, "--device", default="cpu", help="cpu or cuda[:n]")
     add_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
@@ -141,6 +141,8 @@ def add_engine_flags(p: argparse.ArgumentParser, default_model: str) -> None:
              help="speculative decoding (decode worker)")
     add_flag(p, "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
     add_flag(p, "--draft-model", default=None, help="draft checkpoint for --speculative draft_model")
+    add_flag(p, "--ngram-min", type=int, default=None,
+             help="shortest recurring suffix n-gram lookup drafts from (default: the method's)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -148,13 +150,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.speculative != "none":
         speculative = SpeculativeConfig(
             method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-            draft_model=args.draft_model,
+            draft_model=args.draft_model, ngram_min=args.ngram_min,
         )
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_threads=args.threads, speculative=speculative,
+        detokenize=False,  # workers stream token ids; the gateway detokenizes
     )
 
 
@@ -178,7 +181,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_server_flags(p, default_port=50051)
-    add_flag(p, "--model", default=default_model, help="checkpoint directory (tokenizer, limits)")
+    add_flag(p, "--model", default=default_model, help="checkpoint directory or .gguf file (tokenizer, limits)")
     add_flag(p, "--max-model-len", type=int, default=None, help="cap on prompt + output")
     add_flag(p, "--local-prefill-max-tokens", type=int, default=32,
              help="prompts shorter than this prefill on the decode worker")

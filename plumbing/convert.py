@@ -67,6 +67,28 @@ def sampling_params_from_proto(
         raise ValueError(_FIELD_RE.sub(lambda m: _FIELD_NAMES[m.group(1)], str(exc))) from None
 
 
+def sampling_params_to_proto(
+    params: SamplingParams,
+) -> tuple[common_pb2.SamplingParams, common_pb2.StoppingCriteria]:
+    """The canonical protos of validated params (what the gateway forwards to workers);
+    ``sampling_params_from_proto`` of them gives ``params`` back exactly."""
+    sampling = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+        min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+    )
+    if params.seed is not None:
+        sampling.seed = params.seed
+    if params.logprobs is not None:
+        sampling.logprobs = params.logprobs
+    if params.num_speculative_tokens is not None:
+        sampling.num_speculative_tokens = params.num_speculative_tokens
+    stopping = common_pb2.StoppingCriteria(
+        max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+    )
+    return sampling, stopping
+
+
 def token_logprob(
     token_id: int, logprob: float | None, top: dict[int, float] | None = None
 ) -> common_pb2.TokenLogprob:

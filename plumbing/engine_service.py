@@ -13,7 +13,7 @@ import structlog
 
 from engine.engine import Engine
 from engine.engine_thread import EngineStopped, EngineThread
-from engine.outputs import RequestOutput
+from engine.outputs import EngineLoad, RequestOutput
 from plumbing import rpc
 from plumbing.config import WorkerConfig
 from plumbing.convert import kv_layout_to_proto
@@ -40,7 +40,6 @@ class EngineServicer:
         self.engine_thread = EngineThread(engine, self._on_outputs_threadsafe, on_tick=self.on_tick,
                                on_failure=self._on_engine_failure)
         self.registration: RegistrationClient | None = None
-        self.num_in_transfer_blocks = 0  # engine thread writes, others read (an int: atomic)
 
     # -- engine thread -> event loop -------------------------------------------------
     def _on_outputs_threadsafe(self, outputs: list[RequestOutput]) -> None:
@@ -74,6 +73,10 @@ class EngineServicer:
 
         self.loop.call_soon_threadsafe(put)
 
+    def blocks_in_transfer(self) -> int:
+        """KV blocks held for (prefill) or reserved by (decode) transfers; any thread."""
+        return 0
+
     def on_tick(self, engine: Engine) -> None:
         """Engine-thread housekeeping between steps (leases); default none."""
 
@@ -85,36 +88,29 @@ class EngineServicer:
             raise rpc.ServiceError(grpc.StatusCode.UNAVAILABLE, "this worker's engine is stopped") from None
 
     # -- load -------------------------------------------------------------------------
-    def _load_now(self, engine: Engine) -> common_pb2.WorkerLoad:
-        sched = engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-        queued += sum(
-            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running
+    def _report(self, load: EngineLoad) -> common_pb2.WorkerLoad:
+        """``load`` as the proto, with the blocks in transfer; updates the gauges."""
+        in_transfer = self.blocks_in_transfer()
+        self.metrics.kv_blocks_free.set(load.num_blocks_free)
+        self.metrics.kv_blocks_used.set(load.num_blocks_total - load.num_blocks_free)
+        self.metrics.kv_blocks_in_transfer.set(in_transfer)
+        self.metrics.running.set(load.num_running)
+        self.metrics.waiting.set(load.num_waiting)
+        if load.spec is not None:
+            self.metrics.observe_spec(load.spec)
+        return common_pb2.WorkerLoad(
+            kv_blocks_total=load.num_blocks_total, kv_blocks_free=load.num_blocks_free,
+            kv_blocks_in_transfer=in_transfer, num_running=load.num_running,
+            num_waiting=load.num_waiting, num_queued_prefill_tokens=load.num_queued_prefill_tokens,
         )
-        total = engine.kv.num_blocks
-        free = engine.num_free_blocks
-        load = common_pb2.WorkerLoad(
-            kv_blocks_total=total, kv_blocks_free=free,
-            kv_blocks_in_transfer=self.num_in_transfer_blocks,
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            num_queued_prefill_tokens=queued,
-        )
-        self.metrics.kv_blocks_free.set(free)
-        self.metrics.kv_blocks_used.set(total - free)
-        self.metrics.kv_blocks_in_transfer.set(self.num_in_transfer_blocks)
-        self.metrics.running.set(len(sched.running))
-        self.metrics.waiting.set(len(sched.waiting))
-        if engine.proposer is not None:
-            self.metrics.observe_spec(engine.spec_stats)
-        return load
 
     def load_snapshot(self) -> common_pb2.WorkerLoad:
-        """Approximate load read from the event loop (for heartbeats; racy reads of ints)."""
-        return self._load_now(self.engine)
+        """The load the engine thread last published (heartbeats; touches no engine state)."""
+        return self._report(self.engine_thread.load)
 
     async def GetStats(self, request: Any, context: grpc.aio.ServicerContext) -> common_pb2.WorkerLoad:
-        """Exact load, read on the engine thread between steps."""
-        return await self.on_engine_thread(self._load_now)
+        """Exact load, taken on the engine thread between steps."""
+        return self._report(await self.on_engine_thread(lambda e: e.load()))
 
 
 async def serve_worker(

@@ -17,7 +17,8 @@ import grpc
 import structlog
 
 from engine.engine import Engine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput
+from engine.sampling_params import SamplingParams
 from plumbing import convert
 from plumbing.config import WorkerConfig
 from plumbing.rpc import ServiceError
@@ -39,6 +40,10 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             config.engine.device, config.transfer_timeout_s, config.fault_transfer_stall_s,
         )
         self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request
+        self._num_held_blocks = 0  # their sum (engine thread writes, heartbeats read an int)
+
+    def blocks_in_transfer(self) -> int:
+        return self._num_held_blocks
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -50,57 +55,14 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             raise ValueError("target.address must name the decode worker")
         if rid in self.queues:
             raise ValueError(f"request_id {rid} is already being prefilled here")
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.queues[rid] = queue
-        start = time.monotonic()
+        self.queues[rid] = asyncio.Queue()
         try:
-            await self.on_engine_thread(lambda e: e.add_request(prompt, params, request_id=rid, hold_kv=True))
-            out = await queue.get()
-            while not out.finished:
-                out = await queue.get()
-            prefill_done = time.monotonic()
-            self.metrics.prompt_tokens.inc(len(prompt) - out.num_cached_tokens)
-            if out.finish_reason == "abort" or not out.token_ids:
-                raise ServiceError(grpc.StatusCode.ABORTED, "prefill was aborted")
-            packed = await self.on_engine_thread(self._pack(rid))
-            num_bytes = packed.numel() * packed.element_size()
+            out, timings = await self._first_token(rid, prompt, params)
             first_logprob = None
             if out.logprobs:
                 tops = out.top_logprobs[0] if out.top_logprobs else None
                 first_logprob = convert.token_logprob(out.token_ids[0], out.logprobs[0], tops)
-            timings = common_pb2.PhaseTimings(
-                prefill_us=int((prefill_done - start) * 1e6), transfer_bytes=num_bytes,
-                num_cached_prompt_tokens=out.num_cached_tokens,
-            )
-            header = kv_transfer_pb2.TransferHeader(
-                transfer_id=request.target.transfer_id, request_id=request.request_id,
-                num_blocks=packed.shape[2], num_bytes=num_bytes, num_prompt_tokens=len(prompt),
-                first_token_id=out.token_ids[0], timings=timings,
-            )
-            if first_logprob is not None:
-                header.first_logprob.CopyFrom(first_logprob)
-            t_transfer = time.monotonic()
-            send = await self.channels.announce_and_send(request.target.address, header, packed)
-            t_wire = time.monotonic()
-            await asyncio.wrap_future(send)
-            timings.transfer_wire_us = int((time.monotonic() - t_wire) * 1e6)
-            status = await self.channels.peer(request.target.address).stub.AwaitTransfer(
-                kv_transfer_pb2.AwaitTransferRequest(
-                    transfer_id=request.target.transfer_id,
-                    timeout_ms=int(self.config.transfer_timeout_s * 1000),
-                ),
-                timeout=self.config.transfer_timeout_s + 1,
-            )
-            if status.state != kv_transfer_pb2.TRANSFER_STATE_DONE:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                   f"decode worker did not take the KV pages: {status.error or status.state}")
-            seconds = time.monotonic() - t_transfer
-            timings.transfer_us = int(seconds * 1e6)
-            self.metrics.transfer_bytes.inc(num_bytes)
-            self.metrics.transfer_seconds.observe(seconds)
-            self.metrics.transfers.labels(role=self.role_name, outcome="done").inc()
-            log.info("prefill.done", num_prompt_tokens=len(prompt), transfer_bytes=num_bytes,
-                     prefill_s=round(prefill_done - start, 6), transfer_s=round(seconds, 6))
+            await self._ship(request, out.token_ids[0], first_logprob, timings)
             response = prefill_pb2.PrefillResponse(first_token_id=out.token_ids[0], timings=timings)
             if first_logprob is not None:
                 response.first_logprob.CopyFrom(first_logprob)
@@ -112,18 +74,69 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             self.queues.pop(rid, None)
             self.engine_thread.call(lambda e: self._free(e, rid))
 
+    async def _first_token(
+        self, rid: str, prompt: list[int], params: SamplingParams,
+    ) -> tuple[CompletionOutput, common_pb2.PhaseTimings]:
+        """Run the prompt in the engine's batch (its KV held) to its first token."""
+        start = time.monotonic()
+        await self.on_engine_thread(lambda e: e.add_request(prompt, params, request_id=rid, hold_kv=True))
+        out = CompletionOutput(rid, prompt)
+        while not out.finished:
+            out.add(await self.queues[rid].get())
+        self.metrics.prompt_tokens.inc(len(prompt) - out.num_cached_tokens)
+        if out.finish_reason == "abort" or not out.token_ids:
+            raise ServiceError(grpc.StatusCode.ABORTED, "prefill was aborted")
+        return out, common_pb2.PhaseTimings(prefill_us=int((time.monotonic() - start) * 1e6),
+                                            num_cached_prompt_tokens=out.num_cached_tokens)
+
+    async def _ship(self, request: prefill_pb2.PrefillRequest, first_token_id: int,
+                    first_logprob: common_pb2.TokenLogprob | None, timings: common_pb2.PhaseTimings) -> None:
+        """Pack the held pages, announce and send them, and wait until the decode worker has
+        them in its reservation (DONE). Fills the transfer fields of ``timings``."""
+        target = request.target
+        packed = await self.on_engine_thread(self._pack(str(request.request_id)))
+        num_bytes = packed.numel() * packed.element_size()
+        timings.transfer_bytes = num_bytes
+        header = kv_transfer_pb2.TransferHeader(
+            transfer_id=target.transfer_id, request_id=request.request_id, num_blocks=packed.shape[2],
+            num_bytes=num_bytes, num_prompt_tokens=len(request.prompt_token_ids),
+            first_token_id=first_token_id, timings=timings,
+        )
+        if first_logprob is not None:
+            header.first_logprob.CopyFrom(first_logprob)
+        t_transfer = time.monotonic()
+        send = await self.channels.announce_and_send(target.address, header, packed)
+        t_wire = time.monotonic()
+        await asyncio.wrap_future(send)
+        timings.transfer_wire_us = int((time.monotonic() - t_wire) * 1e6)
+        status = await self.channels.peer(target.address).stub.AwaitTransfer(
+            kv_transfer_pb2.AwaitTransferRequest(transfer_id=target.transfer_id,
+                                                 timeout_ms=int(self.config.transfer_timeout_s * 1000)),
+            timeout=self.config.transfer_timeout_s + 1,
+        )
+        if status.state != kv_transfer_pb2.TRANSFER_STATE_DONE:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"decode worker did not take the KV pages: {status.error or status.state}")
+        seconds = time.monotonic() - t_transfer
+        timings.transfer_us = int(seconds * 1e6)
+        self.metrics.transfer_bytes.inc(num_bytes)
+        self.metrics.transfer_seconds.observe(seconds)
+        self.metrics.transfers.labels(role=self.role_name, outcome="done").inc()
+        log.info("prefill.done", num_prompt_tokens=len(request.prompt_token_ids), transfer_bytes=num_bytes,
+                 prefill_s=round(timings.prefill_us / 1e6, 6), transfer_s=round(seconds, 6))
+
     def _pack(self, rid: str):  # noqa: ANN202 - returns an engine-thread closure
         def pack(engine: Engine):  # noqa: ANN202
             block_ids = engine.held_block_ids(rid)
             self._num_held[rid] = len(block_ids)
-            self.num_in_transfer_blocks += len(block_ids)
+            self._num_held_blocks += len(block_ids)
             return engine.pack_kv(block_ids)
 
         return pack
 
     def _free(self, engine: Engine, rid: str) -> None:
         """Engine thread: release the held pages (or abort a still-running prefill), once."""
-        self.num_in_transfer_blocks -= self._num_held.pop(rid, 0)
+        self._num_held_blocks -= self._num_held.pop(rid, 0)
         if not engine.release_kv(rid):
             engine.abort(rid)
 

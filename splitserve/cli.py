@@ -1,9 +1,14 @@
 """``splitserve`` command line.
 
-``up`` runs a local cluster (gateway + prefill + decode workers) on the bundled model;
+``up`` runs a local cluster (gateway + prefill + decode workers) on the default model;
 ``gateway`` / ``prefill`` / ``decode`` run one service (compose, Kubernetes);
-``generate`` streams a completion through a gateway (or ``--in-process`` on the engine).
+``generate`` streams a completion or a chat answer through a gateway (or ``--in-process``
+on the engine); ``fetch`` fetches the default model into the cache.
 Every flag can also be set as ``SPLITSERVE_<FLAG>`` (see ``plumbing.config``).
+
+The default model is SmolLM2-135M-Instruct (GGUF), fetched on first use
+(``splitserve.default_model``); the small pair bundled in ``models/`` serves the tests, the
+benchmarks and the speculative-decoding demo.
 """
 
 from __future__ import annotations
@@ -13,13 +18,52 @@ import os
 import sys
 from pathlib import Path
 
+from splitserve.default_model import FetchError, default_model_path, ensure_default_model
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO_ROOT / "models" / "target"
+BUNDLED_MODEL = REPO_ROOT / "models" / "target"
 
 
 def default_model() -> str:
-    """``SPLITSERVE_MODEL`` if set, else the bundled model of this checkout."""
-    return os.environ.get("SPLITSERVE_MODEL") or str(DEFAULT_MODEL)
+    """``SPLITSERVE_MODEL`` if set, else the default model's place in the cache."""
+    return os.environ.get("SPLITSERVE_MODEL") or str(default_model_path())
+
+
+def ensure_model(model: str) -> bool:
+    """Fetch the default model if ``model`` is it and the cache lacks it; False on failure."""
+    if model != str(default_model_path()):
+        return True
+    try:
+        ensure_default_model()
+    except FetchError as exc:
+        sys.stderr.write(f"splitserve: {exc}\n")
+        return False
+    return True
+
+
+def _in_process_prompt(engine: object, args: argparse.Namespace) -> str | list[int]:
+    from engine.chat import ChatTemplate
+    from splitserve.client import cli_chat_turns
+
+    turns = cli_chat_turns(args)
+    if turns is None:
+        return args.prompt
+    chat = ChatTemplate.of(engine.tokenizer)  # type: ignore[attr-defined]
+    if chat is None:
+        raise ValueError(f"--chat: {args.model} has no chat template")
+    return chat.render(turns, field="--chat")
+
+
+def _chat_stops(engine: object, args: argparse.Namespace, params: object) -> object:
+    """A chat answer ends at the template's end-of-turn token (as the gateway does it)."""
+    from dataclasses import replace
+
+    from engine.chat import ChatTemplate
+
+    chat = ChatTemplate.of(engine.tokenizer) if args.chat is not None else None  # type: ignore[attr-defined]
+    if chat is None:
+        return params
+    return replace(params, stop_token_ids=tuple(chat.end_of_turn_ids))
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
@@ -46,12 +90,13 @@ def _generate_in_process(args: argparse.Namespace) -> int:
                 model=args.model, dtype=args.dtype, num_threads=args.threads, speculative=speculative
             )
         )
-        request_id = engine.add_request(args.prompt, params)
+        request_id = engine.add_request(_in_process_prompt(engine, args), _chat_stops(engine, args, params))
     except ValueError as exc:
         sys.stderr.write(f"splitserve: {exc}\n")
         return 2
-    sys.stdout.write(args.prompt)
-    sys.stdout.flush()
+    if args.chat is None:
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
     finish_reason = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -65,6 +110,9 @@ def _generate_in_process(args: argparse.Namespace) -> int:
 
 def _run_service(args: argparse.Namespace) -> int:
     import asyncio
+
+    if not ensure_model(args.model):
+        return 1
 
     from plumbing import config as cfg
     from plumbing.logs import configure_logging
@@ -93,15 +141,34 @@ def _run_service(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from splitserve.cluster import run_cluster
 
+    if not ensure_model(args.model):
+        return 1
+
     return run_cluster(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.chat is None):
+        sys.stderr.write("splitserve generate: give a PROMPT or --chat MESSAGE (one of them)\n")
+        return 2
     if args.in_process:
+        if not ensure_model(args.model):
+            return 1
         return _generate_in_process(args)
     from splitserve.client import stream_to_terminal
 
     return stream_to_terminal(args)
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    """Fetch the default model into the cache (once) and print its path."""
+    try:
+        path = ensure_default_model(quiet=args.quiet)
+    except FetchError as exc:
+        sys.stderr.write(f"splitserve fetch: {exc}\n")
+        return 1
+    sys.stdout.write(f"{path}\n")
+    return 0
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -133,18 +200,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from bench.options import add_bench_flags
 
     bench = sub.add_parser("bench", help="benchmark a deployment and its peers; write a report")
-    add_bench_flags(bench, default_model())
+    add_bench_flags(bench, os.environ.get("SPLITSERVE_MODEL") or str(BUNDLED_MODEL))
     bench.set_defaults(func=_bench)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """``splitserve generate``: through a gateway, or ``--in-process``."""
     from plumbing import config as cfg
 
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="stream a completion of PROMPT through the gateway")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", help="stream a completion of PROMPT (or a --chat answer) through the gateway")
+    gen.add_argument("prompt", nargs="?", default=None, help="text to complete (or use --chat)")
+    gen.add_argument("--chat", default=None, metavar="MESSAGE",
+                     help="a user message: the model's chat template is applied, the answer streamed")
+    gen.add_argument("--system", default=None, help="(--chat) a system message before it")
     cfg.add_flag(gen, "--gateway", default="127.0.0.1:50051", help="gateway address")
     gen.add_argument("--wait-s", type=float, default=60.0,
                      help="wait this long for the gateway and a decode worker to be up")
@@ -158,13 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--in-process", action="store_true", help="run the engine here, no services")
-    gen.add_argument("--model", default=default_model(), help="(--in-process) checkpoint directory")
+    gen.add_argument("--model", default=default_model(), help="(--in-process) checkpoint directory or .gguf file")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--threads", type=int, default=None, help="(--in-process) torch CPU threads")
     gen.add_argument("--speculative", default="none", choices=["none", "ngram", "draft_model", "ngram_draft"])
     gen.add_argument("--num-speculative-tokens", type=int, default=4)
-    gen.add_argument("--draft-model", default=str(DEFAULT_MODEL.parent / "draft"))
+    gen.add_argument("--draft-model", default=str(BUNDLED_MODEL.parent / "draft"))
     gen.set_defaults(func=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from plumbing import config as cfg
+
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    add_generate_parser(sub)
     add_bench_parser(sub)
 
     gw = sub.add_parser("gateway", help="run the gateway")
@@ -174,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
         worker = sub.add_parser(role, help=f"run a {role} worker")
         cfg.add_worker_flags(worker, default_model())
         worker.set_defaults(func=_run_service)
+
+    fetch = sub.add_parser("fetch", help="fetch the default model into the cache (once); print its path")
+    fetch.add_argument("--quiet", action="store_true", help="no progress output")
+    fetch.set_defaults(func=_fetch)
 
     hc = sub.add_parser("health", help="check a server's grpc.health.v1 status (exit 0: SERVING)")
     hc.add_argument("--address", default="127.0.0.1:50051")
@@ -185,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_flag(up, "--port", type=int, default=50051, help="gateway port")
     cfg.add_flag(up, "--num-prefill", type=int, default=1, help="prefill workers")
     cfg.add_flag(up, "--num-decode", type=int, default=1, help="decode workers")
-    cfg.add_flag(up, "--model", default=default_model(), help="checkpoint directory")
+    cfg.add_flag(up, "--model", default=default_model(), help="checkpoint directory or .gguf file")
     cfg.add_flag(up, "--threads", type=int, default=1, help="torch threads per worker")
     cfg.add_flag(up, "--metrics-port", type=int, default=-1,
                  help="gateway metrics port; workers use the following ports (-1 off)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -12,11 +14,28 @@ from plumbing.rpc import channel_options
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
+# A conversation: (role, content) turns, role "system", "user" or "assistant".
+Chat = Sequence[tuple[str, str]]
+_ROLES = {"system": gateway_pb2.CHAT_ROLE_SYSTEM, "user": gateway_pb2.CHAT_ROLE_USER,
+          "assistant": gateway_pb2.CHAT_ROLE_ASSISTANT}
+
+
+def chat_messages(turns: Chat) -> gateway_pb2.ChatMessages:
+    """``[("user", "Hi")]`` as the protobuf ``ChatMessages``; an unknown role raises ValueError."""
+    messages = gateway_pb2.ChatMessages()
+    for role, content in turns:
+        if role not in _ROLES:
+            raise ValueError(f"chat role must be one of {sorted(_ROLES)}, got {role!r}")
+        messages.messages.add(role=_ROLES[role], content=content)
+    return messages
+
+
 def make_request(
-    prompt: str | list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-    top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+    prompt: str | list[int] | gateway_pb2.ChatMessages, max_new_tokens: int, temperature: float = 0.0,
+    top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
     ignore_eos: bool = False,
 ) -> gateway_pb2.GenerateRequest:
+    """A ``GenerateRequest`` for prompt text, token ids or a conversation (``chat_messages``)."""
     request = gateway_pb2.GenerateRequest(
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0)),
         stopping=common_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, stop_strings=stop or [],
@@ -26,9 +45,17 @@ def make_request(
         request.sampling.seed = seed
     if isinstance(prompt, str):
         request.text = prompt
+    elif isinstance(prompt, gateway_pb2.ChatMessages):
+        request.chat.CopyFrom(prompt)
     else:
         request.token_ids.ids.extend(prompt)
     return request
+
+
+def make_chat_request(turns: Chat, max_new_tokens: int, **kwargs: Any) -> gateway_pb2.GenerateRequest:
+    """``make_request`` for a conversation: the gateway applies the model's chat template and
+    stops at its end-of-turn token."""
+    return make_request(chat_messages(turns), max_new_tokens, **kwargs)
 
 
 def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s: float) -> gateway_pb2.GetInfoResponse:
@@ -51,6 +78,13 @@ def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s:
                        f"workers within {timeout_s} s ({last})")
 
 
+def cli_chat_turns(args: argparse.Namespace) -> list[tuple[str, str]] | None:
+    """``generate --chat MESSAGE [--system TEXT]`` as turns; None for a plain prompt."""
+    if args.chat is None:
+        return None
+    return ([("system", args.system)] if args.system else []) + [("user", args.chat)]
+
+
 def stream_to_terminal(args: argparse.Namespace) -> int:
     """``splitserve generate``: stream text to stdout; the finish reason and timings to stderr."""
     try:
@@ -58,12 +92,15 @@ def stream_to_terminal(args: argparse.Namespace) -> int:
     except TimeoutError as exc:
         sys.stderr.write(f"splitserve generate: {exc}\n")
         return 1
-    request = make_request(args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k,
+    turns = cli_chat_turns(args)
+    prompt = args.prompt if turns is None else chat_messages(turns)
+    request = make_request(prompt, args.max_tokens, args.temperature, args.top_p, args.top_k,
                            args.seed, args.stop)
     with grpc.insecure_channel(args.gateway, options=channel_options()) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        sys.stdout.write(args.prompt)
-        sys.stdout.flush()
+        if turns is None:  # a completion continues the prompt; a chat answer stands alone
+            sys.stdout.write(args.prompt)
+            sys.stdout.flush()
         try:
             for chunk in stub.Generate(request, timeout=args.timeout_s):
                 sys.stdout.write(chunk.text)

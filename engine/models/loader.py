@@ -7,13 +7,17 @@ from typing import Any
 
 import torch
 
+from engine.models.gguf_reader import is_gguf
 from engine.models.spec import read_config, require_dir
 
 
 def load_hf_config(path: str) -> Any:
     """The checkpoint's ``transformers`` config (RoPE variants need it), architecture checked."""
-    read_config(path)
+    raw = read_config(path)
     from transformers import AutoConfig
+
+    if is_gguf(path):
+        return AutoConfig.for_model(**raw)
 
     return AutoConfig.from_pretrained(str(require_dir(path)))
 
@@ -34,7 +38,12 @@ def rope_inv_freq(cfg: Any) -> tuple[torch.Tensor, float]:
 
 
 def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint (single file or sharded with an index), cast to dtype."""
+    """Every tensor of the checkpoint (single file or sharded with an index; or a GGUF
+    file, dequantized), cast to dtype."""
+    if is_gguf(path):
+        from engine.models.gguf_weights import load_gguf_weights
+
+        return load_gguf_weights(path, dtype)
     from safetensors.torch import load_file
 
     root = require_dir(path)

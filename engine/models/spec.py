@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.models.gguf_reader import gguf_config, is_gguf
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -63,7 +65,10 @@ def require_dir(path: str) -> Path:
 
 
 def read_config(path: str) -> dict[str, Any]:
-    """The checkpoint's ``config.json`` as a dict, after checking the architecture."""
+    """The checkpoint's ``config.json`` as a dict (a GGUF file's metadata in that form),
+    after checking the architecture."""
+    if is_gguf(path):
+        return gguf_config(path)
     root = require_dir(path)
     with open(root / "config.json") as f:
         raw = json.load(f)
@@ -155,6 +160,10 @@ def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
 
 def load_tokenizer(path: str) -> Any | None:
     """The checkpoint's Hugging Face tokenizer, or None when the directory has none."""
+    if is_gguf(path):
+        from engine.models.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(path)
     root = Path(path)
     if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
@@ -166,7 +175,10 @@ def load_tokenizer(path: str) -> Any | None:
 
 
 def eos_token_ids(path: str, spec: ModelSpec) -> tuple[int, ...]:
-    """EOS ids as ``generate`` uses them: generation_config.json first, then config.json."""
+    """EOS ids as ``generate`` uses them: generation_config.json first, then config.json
+    (a GGUF file: its EOS, end-of-turn and end-of-message tokens)."""
+    if is_gguf(path):
+        return spec.eos_token_ids
     gen_path = Path(path) / "generation_config.json"
     if gen_path.is_file():
         eos = json.loads(gen_path.read_text()).get("eos_token_id")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,7 @@ import grpc
 
 from splitserve.client import make_request
 from plumbing.rpc import channel_options
-from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "target")
@@ -28,7 +29,9 @@ class Streamed:
     details: str = ""
 
 
-def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float = 60.0) -> Streamed:
+def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float = 60.0,
+           started: threading.Event | None = None) -> Streamed:
+    """Run one Generate stream to its end; ``started`` is set on its first chunk."""
     out = Streamed()
     with grpc.insecure_channel(address) as channel:  # a plain client: gRPC's default limits
         try:
@@ -37,6 +40,8 @@ def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float = 
                 out.token_ids += list(chunk.token_ids)
                 out.text += chunk.text
                 out.chunks += 1
+                if started is not None:
+                    started.set()
                 if chunk.finish_reason:
                     out.finish_reason = chunk.finish_reason
                     out.timings = chunk.timings
@@ -60,7 +65,7 @@ def worker_stats(gateway: str) -> dict[str, common_pb2.WorkerLoad]:
             stub = (decode_pb2_grpc.DecodeWorkerStub(channel) if w.role == common_pb2.WORKER_ROLE_DECODE
                     else prefill_pb2_grpc.PrefillWorkerStub(channel))
             try:
-                stats[w.address] = stub.GetStats(prefill_pb2.GetStatsRequest(), timeout=5)
+                stats[w.address] = stub.GetStats(common_pb2.GetStatsRequest(), timeout=5)
             except grpc.RpcError as exc:  # a worker killed by the test, not yet dropped
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise

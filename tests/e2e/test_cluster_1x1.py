@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine import Engine, EngineConfig, SamplingParams
-from splitserve.client import make_request
+from splitserve.client import make_chat_request, make_request
 from splitserve.cluster import Cluster
 from plumbing.rpc import channel_options
 from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, kv_transfer_pb2
@@ -124,6 +124,8 @@ BAD_REQUESTS = [
     ("too many stop strings", make_request([5, 6], 8, stop=[str(i) for i in range(20)]),
      grpc.StatusCode.INVALID_ARGUMENT, "stopping.stop_strings"),
     ("10 MB prompt", make_request("x" * (10 * 1024 * 1024), 8), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    ("chat without a template", make_chat_request([("user", "hi")], 8), grpc.StatusCode.INVALID_ARGUMENT,
+     "prompt.chat"),
 ]
 
 
@@ -268,8 +270,10 @@ def test_request_id_is_on_the_lines_of_all_three_services(cluster: Cluster) -> N
 def test_up_and_generate_commands_from_the_readme(tmp_path) -> None:  # noqa: ANN001
     port = free_port()
     cli = [sys.executable, "-m", "splitserve.cli"]
+    # The bundled model (SPLITSERVE_MODEL): the suite downloads nothing here.
+    env = {**os.environ, "SPLITSERVE_MODEL": MODEL}
     up = subprocess.Popen([*cli, "up", "--port", str(port), "--local-prefill-max-tokens", "0",
-                           "--log-dir", str(tmp_path)], stderr=subprocess.PIPE, env=dict(os.environ))
+                           "--log-dir", str(tmp_path)], stderr=subprocess.PIPE, env=env)
     try:
         gen = subprocess.run([*cli, "generate", "--gateway", f"127.0.0.1:{port}", "--min-prefill-workers", "1",
                               "def fibonacci(n):", "--max-tokens", "16"], capture_output=True, text=True, timeout=180)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import signal
+import threading
 import time
 
 import grpc
@@ -51,10 +52,11 @@ def test_kill_9_of_a_decode_worker_mid_stream(cluster: Cluster) -> None:
     others finish; new requests go to the surviving decode worker."""
     gw = cluster.addresses["gateway"]
     deadline_s = 60.0
-    requests = [make_request(list(range(50 + i, 90 + i)), 300, ignore_eos=True) for i in range(6)]
+    requests = [make_request(list(range(50 + i, 90 + i)), 450, ignore_eos=True) for i in range(6)]
+    started = [threading.Event() for _ in requests]
     with cf.ThreadPoolExecutor(len(requests)) as pool:
-        futures = [pool.submit(stream, gw, r, deadline_s) for r in requests]
-        time.sleep(1.0)  # all streams are running by now
+        futures = [pool.submit(stream, gw, r, deadline_s, e) for r, e in zip(requests, started)]
+        assert all(e.wait(deadline_s) for e in started)  # every stream has streamed tokens
         victim = cluster.procs["decode-0"]
         started = time.monotonic()
         victim.send_signal(signal.SIGKILL)
@@ -68,7 +70,7 @@ def test_kill_9_of_a_decode_worker_mid_stream(cluster: Cluster) -> None:
     assert elapsed < deadline_s
     for r in results:
         if r.error is None:
-            assert len(r.token_ids) == 300
+            assert len(r.token_ids) == 450
     # New requests: all served by the survivor.
     after = stream_many(gw, [make_request(list(range(10 + i, 60 + i)), 12) for i in range(8)])
     assert all(r.error is None and len(r.token_ids) >= 1 for r in after), [(r.error, r.details) for r in after]

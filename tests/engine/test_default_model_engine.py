@@ -73,10 +73,12 @@ def test_text_prompt_streams_text() -> None:
     rid = engine.add_request("def fibonacci(n):", SamplingParams(temperature=0.0, max_tokens=16))
     text = ""
     final = None
+    token_ids: list[int] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
             text += out.new_text
+            token_ids += out.new_token_ids
             final = out
     assert final is not None and final.request_id == rid and final.finished
-    assert text == final.text and len(final.token_ids) >= 1
+    assert len(token_ids) >= 1 and text == engine.tokenizer.decode(token_ids, skip_special_tokens=True)
     engine.check_integrity()

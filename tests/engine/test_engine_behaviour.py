@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
+from tests.helpers.outputs import Completions
 from tests.engine.test_engine_parity import GREEDY, NEW_TOKENS, make_engine
 
 
@@ -58,7 +60,8 @@ def test_bad_input_keeps_engine_serving(ckpt_dir: Callable[..., Path], hf_greedy
     engine = make_engine(path, max_model_len=128)
     good = list(range(5, 40))
     rid = engine.add_request(good, GREEDY)
-    engine.step()  # the good request is running when the bad ones arrive
+    collected = Completions()
+    collected.feed(engine.step())  # the good request is running when the bad ones arrive
     with pytest.raises(ValueError, match="prompt"):
         engine.add_request([], GREEDY)
     with pytest.raises(ValueError, match="prompt"):
@@ -69,12 +72,9 @@ def test_bad_input_keeps_engine_serving(ckpt_dir: Callable[..., Path], hf_greedy
         engine.add_request("text", GREEDY)  # random checkpoint: no tokenizer
     with pytest.raises(ValueError, match="stop_token_ids"):
         engine.add_request(good, SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(99_999,)))
-    done = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    assert done[rid] == hf_greedy(path, [good], NEW_TOKENS)[0]
+        collected.feed(engine.step())
+    assert collected[rid].finished and collected[rid].token_ids == hf_greedy(path, [good], NEW_TOKENS)[0]
     engine.check_integrity()
     assert engine.num_free_blocks == 512
 
@@ -101,15 +101,14 @@ def test_abort_frees_blocks_mid_generation(ckpt_dir: Callable[..., Path]) -> Non
     engine = make_engine(ckpt_dir("llama"))
     a = engine.add_request(list(range(3, 150)), SamplingParams(temperature=0.0, max_tokens=50))
     b = engine.add_request(list(range(3, 60)), SamplingParams(temperature=0.0, max_tokens=5))
+    collected = Completions()
     for _ in range(3):
-        engine.step()
+        collected.feed(engine.step())
     assert engine.abort(a)
     assert not engine.abort(a)  # second abort: unknown
     finished = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+        finished.update({o.request_id: o for o in collected.feed(engine.step())})
     assert list(finished) == [b] and len(finished[b].token_ids) == 5
     engine.check_integrity()
     assert engine.num_free_blocks == 512
@@ -159,3 +158,30 @@ def test_incremental_detokenizer_holds_back_partial_characters() -> None:
     deltas = [detok.add([i]) for i in ids]
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
+
+
+def _output_bytes(out: RequestOutput) -> int:
+    """Bytes of what a step's output holds for its request (lists, their items, text)."""
+    size = sys.getsizeof(out.new_token_ids) + sum(sys.getsizeof(t) for t in out.new_token_ids)
+    size += sys.getsizeof(out.new_text)
+    for values in (out.new_logprobs or [], out.new_top_logprobs or []):
+        size += sys.getsizeof(values) + sum(sys.getsizeof(v) for v in values)
+    for top in out.new_top_logprobs or []:
+        size += sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in top.items())
+    return size
+
+
+def test_output_bytes_per_step_do_not_grow_with_output_length(ckpt_dir: Callable[..., Path]) -> None:
+    """Outputs carry deltas: a step's output for a running request is as large at token
+    2,000 as at token 10 (cumulative outputs made each step O(length), a request O(L²))."""
+    engine = make_engine(ckpt_dir("llama", max_position_embeddings=2048), max_model_len=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True, logprobs=2)
+    rid = engine.add_request([5, 6, 7], params)
+    sizes: dict[int, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid and len(out.new_token_ids) == 1
+            sizes[out.num_output_tokens] = _output_bytes(out)
+    assert len(sizes) == 2000
+    assert {sizes[n] for n in range(10, 2001)} == {sizes[10]}
+    engine.check_integrity()

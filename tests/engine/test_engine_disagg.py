@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from engine import CompletionOutput, Engine, EngineConfig, SamplingParams
 from engine.kv_layout import KVLayout
 from engine.spec_decode.config import SpeculativeConfig
 from tests.conftest import mixed_prompts
 from tests.engine.test_default_model_engine import MODELS, heldout_prompts
 from tests.engine.test_engine_parity import make_engine
 from tests.engine.test_spec_decode import repetitive_prompts
+from tests.helpers.outputs import Completions
 
 BS = 16
 NEW_TOKENS = 12
@@ -42,7 +43,7 @@ class Transfer:
     first_top_logprobs: dict[int, float] | None = None
 
 
-def ship(a: Engine, out: RequestOutput) -> Transfer:
+def ship(a: Engine, out: CompletionOutput) -> Transfer:
     """Prefill worker, once its request finished: pack the held prompt pages, release them."""
     ids = a.held_block_ids(out.request_id)
     assert len(ids) == num_blocks_for(len(out.prompt_token_ids))
@@ -62,33 +63,37 @@ def ship(a: Engine, out: RequestOutput) -> Transfer:
 
 def prefill(a: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, Transfer]:
     """Run prompts on the prefill engine to their first token; ship each."""
+    done = Completions()
     for rid, prompt in prompts.items():
         a.add_request(prompt, params.for_prefill(), rid, hold_kv=True)
+        done.expect(rid, prompt)
     transfers = {}
     while a.has_unfinished_requests():
-        for out in a.step():
-            if out.finished:
-                transfers[out.request_id] = ship(a, out)
+        for out in done.feed(a.step()):
+            transfers[out.request_id] = ship(a, out)
     return transfers
 
 
-def admit(b: Engine, t: Transfer, params: SamplingParams) -> list[int]:
+def admit(b: Engine, t: Transfer, params: SamplingParams, done: Completions | None = None) -> list[int]:
     """Decode worker: reserve, receive the pages, admit. Returns the reserved block ids."""
-    ids = try_admit(b, t, params)
+    ids = try_admit(b, t, params, done)
     assert ids is not None
     return ids
 
 
-def try_admit(b: Engine, t: Transfer, params: SamplingParams) -> list[int] | None:
-    """``admit``, or None (and no change) when B cannot reserve the blocks now."""
+def try_admit(b: Engine, t: Transfer, params: SamplingParams, done: Completions | None = None) -> list[int] | None:
+    """``admit``, or None (and no change) when B cannot reserve the blocks now. ``done``
+    then expects the request's outputs, starting with its first token."""
     ids = b.reserve_kv(t.request_id, len(t.prompt_token_ids))
     if ids is None:
         return None
     assert len(ids) == t.packed.shape[2]
-    b.unpack_kv(ids, t.packed)
+    b.unpack_kv(t.request_id, t.packed)
     assert torch.equal(b.pack_kv(ids), t.packed)  # the pages landed intact in other block ids
     b.admit_prefilled(t.request_id, t.prompt_token_ids, t.first_token_id, params,
                       first_logprob=t.first_logprob, first_top_logprobs=t.first_top_logprobs)
+    if done is not None:
+        done.expect(t.request_id, t.prompt_token_ids, t.first_token_id, t.first_logprob, t.first_top_logprobs)
     return ids
 
 
@@ -98,7 +103,7 @@ def run_split(
     prompts: list[list[int]],
     params: SamplingParams | list[SamplingParams],
     local_every: int = 0,
-) -> list[RequestOutput]:
+) -> list[CompletionOutput]:
     """Serve prompts across A -> B with both engines stepping in turn. A prefills every
     prompt except each ``local_every``-th (all queued at once); B admits one shipped request
     per step (staggered) and adds a local prompt with ``add_request`` every other step.
@@ -108,25 +113,28 @@ def run_split(
     rids = [f"r{i}" for i in range(len(prompts))]
     is_local = [local_every > 0 and i % local_every == local_every - 1 for i in range(len(prompts))]
     by_id = dict(zip(rids, params_list))
+    on_a, on_b = Completions(), Completions()
     for i, rid in enumerate(rids):
         if not is_local[i]:
             a.add_request(prompts[i], params_list[i].for_prefill(), rid, hold_kv=True)
+            on_a.expect(rid, prompts[i])
     ready: list[Transfer] = []
     local = [i for i in range(len(prompts)) if is_local[i]]
     streamed: dict[str, list[int]] = {rid: [] for rid in rids}
-    final: dict[str, RequestOutput] = {}
+    final: dict[str, CompletionOutput] = {}
     step = 0
     while len(final) < len(prompts):
-        ready += [ship(a, out) for out in a.step() if out.finished]
-        if ready and try_admit(b, ready[0], by_id[ready[0].request_id]) is not None:
+        ready += [ship(a, out) for out in on_a.feed(a.step())]
+        if ready and try_admit(b, ready[0], by_id[ready[0].request_id], on_b) is not None:
             ready.pop(0)  # else B's pool is full now: retry next step
         if local and step % 2 == 0:
             i = local.pop(0)
             b.add_request(prompts[i], params_list[i], rids[i])
-        for out in b.step():
+            on_b.expect(rids[i], prompts[i])
+        outs = b.step()
+        for out in outs:
             streamed[out.request_id] += out.new_token_ids
-            if out.finished:
-                final[out.request_id] = out
+        final.update({out.request_id: out for out in on_b.feed(outs)})
         step += 1
         assert step < 5000, "the split run does not terminate"
     for rid, local_request in zip(rids, is_local):
@@ -135,13 +143,15 @@ def run_split(
     return [final[rid] for rid in rids]
 
 
-def drain(engine: Engine) -> dict[str, RequestOutput]:
-    """Step until nothing is left; the final output of each request that finished."""
-    final: dict[str, RequestOutput] = {}
+def drain(engine: Engine, done: Completions | None = None) -> dict[str, CompletionOutput]:
+    """Step until nothing is left; each finished request's whole output (admitted ones
+    start with their first token when ``done`` was given to ``admit``)."""
+    done = done or Completions()
+    final: dict[str, CompletionOutput] = {}
     for _ in range(5000):
         if not engine.has_unfinished_requests():
             return final
-        final.update({o.request_id: o for o in engine.step() if o.finished})
+        final.update({o.request_id: o for o in done.feed(engine.step())})
     raise AssertionError("the engine does not drain")
 
 
@@ -236,7 +246,7 @@ def test_seeded_sampling_identical_across_split(ckpt_dir: Callable[..., Path], m
     assert all(math.isclose(x, y, abs_tol=1e-4) for x, y in zip(got_lp, want_lp))
     assert outs[3].top_logprobs is not None and len(outs[3].top_logprobs) == 16
     # The test has power: without skipping the prefill worker's draw, the tokens differ.
-    monkeypatch.setattr("engine.engine.skip_sampled_draws", lambda *args, **kwargs: None)
+    monkeypatch.setattr("engine.kv_handoff.skip_sampled_draws", lambda *args, **kwargs: None)
     unskipped = run_split(make_engine(path), make_engine(path), prompts[:4], list(SEEDED[:4]))
     assert [o.token_ids for o in unskipped] != [o.token_ids for o in expected[:4]]
 
@@ -282,7 +292,8 @@ def test_decode_publishes_received_blocks(ckpt_dir: Callable[..., Path]) -> None
     cached_before = dict(b.kv.pool.cached)
     assert len(cached_before) == 12
     transfer = prefill(a, {"s": shipped}, GREEDY)["s"]
-    ids = admit(b, transfer, GREEDY)
+    done = Completions()
+    ids = admit(b, transfer, GREEDY, done)
     cached = b.kv.pool.cached
     assert {h: blk.block_id for h, blk in cached.items() if h in cached_before} == {
         h: blk.block_id for h, blk in cached_before.items()
@@ -293,7 +304,7 @@ def test_decode_publishes_received_blocks(ckpt_dir: Callable[..., Path]) -> None
     assert ids[13] not in cached_ids  # the partial block is not
     b.check_integrity()
     rid = b.add_request(later, GREEDY)
-    final = drain(b)
+    final = drain(b, done)
     assert final["s"].token_ids == expected[1]
     assert final[rid].token_ids == expected[2] and final[rid].num_cached_tokens == 208
     assert_clean(a, b)
@@ -323,7 +334,7 @@ def test_first_token_finishes_on_admission(case: str, ckpt_dir: Callable[..., Pa
     outs = {o.request_id: o for o in b.step()}
     done = outs["x"]
     assert done.finished and done.finish_reason == reason
-    assert done.token_ids == [first] and done.new_token_ids == []
+    assert done.new_token_ids == [] and done.num_output_tokens == 1
     assert outs[other].new_token_ids and not outs[other].finished
     while b.has_unfinished_requests():
         assert all(o.request_id == other for o in b.step())
@@ -335,8 +346,9 @@ def test_min_tokens_keeps_a_stop_first_token_running(ckpt_dir: Callable[..., Pat
     a, b = make_engine(path), make_engine(path)
     transfer = prefill(a, {"x": list(range(3, 40))}, GREEDY)["x"]
     params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2, stop_token_ids=(transfer.first_token_id,))
-    admit(b, transfer, params)
-    out = drain(b)["x"]
+    done = Completions()
+    admit(b, transfer, params, done)
+    out = drain(b, done)["x"]
     assert len(out.token_ids) >= 2 and out.token_ids[0] == transfer.first_token_id
     assert_clean(a, b)
 
@@ -378,7 +390,8 @@ def test_reservation_lifecycle(ckpt_dir: Callable[..., Path]) -> None:
     path = ckpt_dir("llama")
     b = make_engine(path, num_kv_blocks=16)
     running = b.add_request(list(range(3, 40)), replace(GREEDY, max_tokens=20))
-    b.step()
+    done = Completions()
+    done.feed(b.step())
     running_ids = set(b.kv.block_ids(running))
     assert len(running_ids) == 3
     ids = b.reserve_kv("r", 150)  # 10 blocks
@@ -391,11 +404,11 @@ def test_reservation_lifecycle(ckpt_dir: Callable[..., Path]) -> None:
         b.reserve_kv("r", 10)
     assert b.cancel_reservation("r") and not b.cancel_reservation("r")
     assert b.reserve_kv("s", 60) is not None  # after the free, it fits
-    with pytest.raises(ValueError, match="block_ids"):
-        b.unpack_kv(sorted(running_ids)[:1], torch.zeros(b.kv_layout.packed_shape(1)))
+    with pytest.raises(ValueError, match="request_id"):
+        b.unpack_kv(running, torch.zeros(b.kv_layout.packed_shape(3)))  # not a reservation
     assert b.abort("s") and not b.abort("s")  # abort cancels a reservation too
     params = replace(GREEDY, max_tokens=20)
-    assert drain(b)[running].token_ids == make_engine(path).generate([list(range(3, 40))], params)[0].token_ids
+    assert drain(b, done)[running].token_ids == make_engine(path).generate([list(range(3, 40))], params)[0].token_ids
     # Cached but unreferenced blocks are evicted for a reservation; referenced ones never.
     assert len(b.kv.pool.cached) == (37 + 19) // 16
     assert b.reserve_kv("all", 255) is not None and b.num_free_blocks == 0  # 16 blocks
@@ -443,10 +456,11 @@ def test_admitted_requests_never_wait_on_each_other(ckpt_dir: Callable[..., Path
     expected = make_engine(path).generate(list(prompts.values()), GREEDY)
     a, b = make_engine(path), make_engine(path, num_kv_blocks=4)
     transfers = prefill(a, prompts, GREEDY)
-    admit(b, transfers["p1"], GREEDY)
-    admit(b, transfers["p2"], GREEDY)
+    done = Completions()
+    admit(b, transfers["p1"], GREEDY, done)
+    admit(b, transfers["p2"], GREEDY, done)
     assert b.num_free_blocks == 0
-    final = drain(b)
+    final = drain(b, done)
     assert [final["p1"].token_ids, final["p2"].token_ids] == [o.token_ids for o in expected]
     assert final["p1"].num_preemptions == 0 and final["p2"].num_preemptions == 1
     assert_clean(a, b)
@@ -478,14 +492,12 @@ def test_bad_input_names_the_field(ckpt_dir: Callable[..., Path]) -> None:
     for bad in (torch.zeros(layout.packed_shape(2)), torch.zeros(1, *layout.packed_shape(3)[1:]),
                 torch.zeros(layout.packed_shape(3), dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="packed"):
-            b.unpack_kv(ids, bad)
-    unreserved = next(i for i in range(64) if i not in ids)
-    for bad_ids in ([ids[0], ids[0], ids[1]], [ids[0], ids[1], 64], [ids[0], ids[1], unreserved]):
-        with pytest.raises(ValueError, match="block_ids"):
-            b.unpack_kv(bad_ids, transfer.packed)
+            b.unpack_kv("x", bad)
+    with pytest.raises(ValueError, match="request_id"):
+        b.unpack_kv("local", transfer.packed)  # a running request's blocks are never written
     with pytest.raises(ValueError, match="block_ids"):
         a.pack_kv([0, 512])
-    b.unpack_kv(ids, transfer.packed)
+    b.unpack_kv("x", transfer.packed)
     bad_admits = [
         (dict(first_token_id=512), "first_token_id"),
         (dict(first_token_id=-1), "first_token_id"),

@@ -9,6 +9,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import ARCHS, mixed_prompts
+from tests.helpers.outputs import Completions
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -24,17 +25,16 @@ def make_engine(path: Path, **kw: object) -> Engine:
 def run_staggered(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     """Add one request every other step while the engine runs."""
     ids: list[str] = []
-    done: dict[str, list[int]] = {}
+    done = Completions()
     pending = list(prompts)
     step = 0
     while pending or engine.has_unfinished_requests():
         if pending and step % 2 == 0:
             ids.append(engine.add_request(pending.pop(0), params))
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
+        done.feed(engine.step())
         step += 1
-    return [done[i] for i in ids]
+    assert all(done[i].finished for i in ids)
+    return [done[i].token_ids for i in ids]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

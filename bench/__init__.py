@@ -1,4 +1,6 @@
-"""Benchmarks of splitserve (run as modules, e.g. ``python -m bench.throughput``); not tests.
+"""The benchmark harness of splitserve; not tests. Entry points: ``python -m bench.<name>``
+(``throughput``, ``disagg``, ``spec_decode``, ``kv_transfer``) and ``splitserve bench``
+(``bench.main``). One module per job; see ``bench/README.md``.
 
 Kept light: importing ``bench`` imports neither torch nor the engine.
 """

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -37,12 +36,13 @@ from pathlib import Path
 
 import torch
 
+from bench import report as report_mod
+from bench.machine import load_window
 from engine import Engine, EngineConfig, SamplingParams
 from engine.chat import ChatTemplate
 from engine.spec_decode.config import SpeculativeConfig
 from splitserve.default_model import ensure_default_model
 
-REPO = Path(__file__).resolve().parents[1]
 CHAT = [
     "What is the capital of France?",
     "Give me three tips for writing clear emails.",
@@ -203,17 +203,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="n-gram draft tokens per step")
     parser.add_argument("--skip-disaggregated", action="store_true")
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/default_model.json")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/default_model.json"))
     args = parser.parse_args(argv)
     model = ensure_default_model()
-    load = {"start": os.getloadavg()}
+    with load_window() as load:
+        report = run(model, args)
+    report["load_average_1m"] = load
+    report_mod.write_json(report, args.out)
+    summary = {k: ({kk: vv for kk, vv in v.items() if kk != "outputs"} if isinstance(v, dict) else v)
+               for k, v in report.items()}
+    print(json.dumps(summary, indent=1))
+
+
+def run(model: Path, args: argparse.Namespace) -> dict:
+    """Every measurement of the module docstring, in order; the report."""
     plain = _engine(model, args.threads)
     chat = ChatTemplate.of(plain.tokenizer)
     assert chat is not None
     chats = [chat.render([("user", q)]) for q in CHAT]
     edits = [chat.render([("user", q)]) for q in EDITS]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, stop_token_ids=chat.end_of_turn_ids)
-    report: dict = {"model": model.name, "threads": args.threads, "max_tokens": args.max_tokens}
+    report: dict = {**report_mod.header("default_model", args.threads), "model": model.name,
+                    "threads": args.threads, "max_tokens": args.max_tokens}
     sys.stderr.write("[default model bench] in-process\n")
     report["in_process"] = in_process(plain, chats, params)
     if not args.skip_disaggregated:
@@ -228,13 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write(f"[default model bench] n-gram, {name} prompts\n")
         report[f"ngram_{name}"] = ngram_batch1(engines, prompts, params, args.repeats)
     report["draft_floor"] = draft_floor(plain, chats[0])
-    load["end"] = os.getloadavg()
-    report["load_average"] = load
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    summary = {k: ({kk: vv for kk, vv in v.items() if kk != "outputs"} if isinstance(v, dict) else v)
-               for k, v in report.items()}
-    print(json.dumps(summary, indent=1))
+    return report
 
 
 if __name__ == "__main__":

@@ -23,146 +23,90 @@ Greedy outputs of every deployment are compared with the in-process Engine's.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import grpc
 import torch
 
-from bench.report import git_commit, machine_description
-from bench.systems import EngineSettings, run_ours
-from bench.workload import Workload, ensure_model, make_prompts
-from splitserve.benchmark.metrics import percentile
-from splitserve.client import make_request
-from splitserve.cluster import Cluster
-from splitserve.v1 import gateway_pb2_grpc
+from bench import report
+from bench.deployment import DeploymentPool, DeploymentSpec, engine_flags, send_all
+from bench.machine import load_window
+from bench.metrics import RequestRecord, match_outputs, percentile
+from bench.systems import EngineSettings, SystemRun, run_ours
+from bench.workload import ENGINE_MODEL_DIR, RequestSpec, Workload, ensure_model, make_prompts
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-async def _one(stub: gateway_pb2_grpc.GatewayStub, prompt: list[int], output_len: int) -> dict:
-    tokens: list[int] = []
-    timings = None
-    async for chunk in stub.Generate(make_request(prompt, output_len, ignore_eos=True), timeout=600):
-        tokens += list(chunk.token_ids)
-        if chunk.finish_reason:
-            timings = chunk.timings
-    assert timings is not None
-    return {"token_ids": tokens, "ttft_us": timings.first_token_us, "total_us": timings.total_us,
-            "transfer_us": timings.transfer_us, "transfer_bytes": timings.transfer_bytes,
-            "transfer_wire_us": timings.transfer_wire_us,
-            "prefill_us": timings.prefill_us}
+NUM_SEQUENTIAL = 8  # the longest prompts, sent one at a time after the burst
 
 
-async def _load(address: str, prompts: list[list[int]], output_len: int,
-                num_sequential: int) -> tuple[float, list[dict], list[dict]]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        await asyncio.gather(*[_one(stub, p, 8) for p in prompts[:2]])  # warm-up (+ channel handshake)
-        start = time.perf_counter()
-        results = await asyncio.gather(*[_one(stub, p, output_len) for p in prompts])
-        seconds = time.perf_counter() - start
-        # One request at a time, the longest prompts: the hand-off without queueing behind others.
-        longest = sorted(prompts, key=len)[-num_sequential:]
-        sequential = [await _one(stub, p, 2) for p in longest]
-        return seconds, list(results), sequential
+def in_process(model_dir: Path, prompts: list[list[int]], workload: Workload, settings: EngineSettings,
+               threads: int) -> tuple[SystemRun, list[dict]]:
+    """``Engine.generate`` on 1 thread and on ``threads``; the faster run and every row (it first)."""
+    rows, runs = [], []
+    for n in sorted({1, threads}):
+        torch.set_num_threads(n)
+        run = run_ours(model_dir, prompts, workload, settings)
+        if run.error:
+            sys.exit(f"in-process engine failed: {run.error}")
+        runs.append(run)
+        rows.append({"system": f"in-process ({n} thread{'s' if n > 1 else ''})", "seconds": run.seconds,
+                     "num_output_tokens": run.num_output_tokens, "output_tokens_per_s": run.output_tokens_per_s})
+    # The baseline is the faster in-process run (on a busy machine 1 thread can beat 2).
+    best = max(range(len(runs)), key=lambda i: runs[i].output_tokens_per_s)
+    rows.insert(0, rows.pop(best))
+    return runs[best], rows
 
 
-def run_deployment(name: str, model_dir: Path, prompts: list[list[int]], workload: Workload,
-                   settings: EngineSettings, num_prefill: int, log_dir: Path) -> dict:
-    worker_flags = [
-        "--num-kv-blocks", str(settings.num_kv_blocks), "--max-num-seqs", str(settings.max_num_seqs),
-        "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
-        "--max-model-len", str(settings.max_model_len), "--block-size", str(settings.block_size),
-    ]
-    gateway_flags = ["--local-prefill-max-tokens", "0", "--max-model-len", str(settings.max_model_len)]
-    with Cluster(str(model_dir), num_prefill=num_prefill, num_decode=1, threads=1,
-                 worker_flags=worker_flags, gateway_flags=gateway_flags, log_dir=str(log_dir / name),
-                 log_level="warning") as cluster:
-        seconds, results, sequential = asyncio.run(
-            _load(cluster.addresses["gateway"], prompts, workload.output_len, num_sequential=8))
-    num_tokens = sum(len(r["token_ids"]) for r in results)
-    return {"system": name, "seconds": seconds, "num_output_tokens": num_tokens,
-            "output_tokens_per_s": num_tokens / seconds, "requests": results, "sequential": sequential}
+def deployment(name: str, pool: DeploymentPool, spec: DeploymentSpec, prompts: list[list[int]],
+               output_len: int, reference: SystemRun) -> tuple[dict, list[RequestRecord], list[RequestRecord]]:
+    """All prompts at once, then the longest one at a time (2 tokens each): the row, the burst's
+    records and the one-at-a-time records. The deployment is stopped afterwards."""
+    try:
+        address = pool.address(spec)
+        with load_window() as load:
+            seconds, burst = send_all(address, [RequestSpec(tuple(p), output_len) for p in prompts])
+        longest = sorted(prompts, key=len)[-NUM_SEQUENTIAL:]
+        _, alone = send_all(address, [RequestSpec(tuple(p), 2) for p in longest], concurrency=1)
+    finally:
+        pool.release(spec)
+    num_tokens = sum(r.num_output_tokens for r in burst)
+    match = match_outputs([r.token_ids for r in burst], reference.output_ids)
+    row = {"system": name, "seconds": seconds, "num_output_tokens": num_tokens,
+           "output_tokens_per_s": num_tokens / seconds, "greedy_match": match.fraction,
+           "deployment": spec.describe(), "load_average_1m": load}
+    return row, burst, alone
+
+
+def transfer_stats(records: list[RequestRecord]) -> dict:
+    """Per-request KV hand-off (``transfer_us``) and wire time of the remotely prefilled requests."""
+    timings = [r.server for r in records if r.server is not None and r.server.transfer_bytes]
+    if not timings:
+        raise RuntimeError("no request moved KV pages (was every prompt prefilled locally?)")
+    return {
+        "num_transfers": len(timings),
+        "payload_bytes_p50": statistics.median(t.transfer_bytes for t in timings),
+        "latency_ms_p50": percentile([t.transfer_us / 1e3 for t in timings], 50),
+        "latency_ms_p99": percentile([t.transfer_us / 1e3 for t in timings], 99),
+        "handoff_gbps_p50": statistics.median(t.transfer_bytes / (t.transfer_us * 1e3) for t in timings),
+        "wire_gbps_p50": statistics.median(t.transfer_bytes / (max(t.transfer_wire_us, 1) * 1e3) for t in timings),
+    }
 
 
 def raw_gloo_gbps(payload_bytes: int, out: Path) -> float:
     from bench import kv_transfer
 
-    kv_transfer.main(["--sizes-mib", f"{payload_bytes / (1 << 20):.6f}", "--trials", "5",
-                      "--min-trial-mib", "32", "--out", str(out)])
-    results = json.loads(out.read_text())["results"]
+    results = kv_transfer.main(["--sizes-mib", f"{payload_bytes / (1 << 20):.6f}", "--trials", "5",
+                                "--min-trial-mib", "32", "--out", str(out)])
     methods = next(iter(results.values()))["methods"]
     return max(methods["raw"]["median_gbps"], methods["raw_pre"]["median_gbps"])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads of the in-process engine")
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/disagg.json")
-    args = parser.parse_args(argv)
-    workload = Workload(num_requests=args.num_requests, output_len=args.output_len)
-    model_dir = ensure_model(REPO / ".cache" / "bench-llama-32m", workload.model, workload.seed)
-    prompts = make_prompts(workload)
-    settings = EngineSettings.for_workload(workload)
-    load_before = os.getloadavg()[0]
-
-    systems = []
-    runs = []
-    for threads in sorted({1, args.threads}):
-        torch.set_num_threads(threads)
-        run = run_ours(model_dir, prompts, workload, settings)
-        if run.error:
-            sys.exit(f"in-process engine failed: {run.error}")
-        runs.append(run)
-        systems.append({"system": f"in-process ({threads} thread{'s' if threads > 1 else ''})",
-                        "seconds": run.seconds, "num_output_tokens": run.num_output_tokens,
-                        "output_tokens_per_s": run.output_tokens_per_s})
-    # The baseline is the faster in-process run (on a busy machine 1 thread can beat 2).
-    best = max(range(len(runs)), key=lambda i: runs[i].output_tokens_per_s)
-    ours = runs[best]
-    systems.insert(0, systems.pop(best))
-    with tempfile.TemporaryDirectory() as tmp:
-        disagg = run_deployment("disaggregated", model_dir, prompts, workload, settings, 1, Path(tmp))
-        colo = run_deployment("colocated", model_dir, prompts, workload, settings, 0, Path(tmp))
-        transfers = [r for r in disagg["requests"] if r["transfer_bytes"]]
-    for run in (disagg, colo):
-        run["greedy_match"] = sum(r["token_ids"] == ref for r, ref in zip(run["requests"], ours.output_ids))
-        systems.append({k: v for k, v in run.items() if k not in ("requests", "sequential")})
-    base = systems[0]["output_tokens_per_s"]
-    for s in systems:
-        s["vs_in_process"] = s["output_tokens_per_s"] / base
-    def transfer_stats(rows: list[dict]) -> dict:
-        gbps = [r["transfer_bytes"] / (r["transfer_us"] * 1e3) for r in rows]
-        wire = [r["transfer_bytes"] / (max(r["transfer_wire_us"], 1) * 1e3) for r in rows]
-        return {
-            "num_transfers": len(rows),
-            "payload_bytes_p50": statistics.median(r["transfer_bytes"] for r in rows),
-            "latency_ms_p50": percentile([r["transfer_us"] / 1e3 for r in rows], 50),
-            "latency_ms_p99": percentile([r["transfer_us"] / 1e3 for r in rows], 99),
-            "handoff_gbps_p50": statistics.median(gbps),
-            "wire_gbps_p50": statistics.median(wire),
-        }
-
-    burst = transfer_stats(transfers)
-    alone = transfer_stats(disagg["sequential"])
-    raw = raw_gloo_gbps(int(alone["payload_bytes_p50"]), Path(tempfile.mkdtemp()) / "raw.json")
-    alone["raw_gloo_gbps_same_payload"] = raw
-    alone["handoff_vs_raw_gloo"] = alone["handoff_gbps_p50"] / raw
-    alone["wire_vs_raw_gloo"] = alone["wire_gbps_p50"] / raw
-    transfer = {"burst": burst, "one_at_a_time": alone}
+def markdown(systems: list[dict], burst: dict, alone: dict) -> str:
     lines = ["| system | output tok/s | vs in-process | greedy = in-process |", "|---|---|---|---|"]
     for s in systems:
-        match = f"{s['greedy_match']}/{len(prompts)}" if "greedy_match" in s else "reference"
+        match = s.get("greedy_match", "reference")
         lines.append(f"| {s['system']} | {s['output_tokens_per_s']:.1f} | {s['vs_in_process']:.2f}× | {match} |")
     lines += ["", "| KV transfer | all requests at once | one at a time |", "|---|---|---|"]
     rows = [("transfers", "num_transfers", "{:.0f}"), ("payload P50 (KiB)", "payload_bytes_p50", "{:.0f}"),
@@ -173,17 +117,45 @@ def main(argv: list[str] | None = None) -> None:
     for label, key, fmt in rows:
         scale = 1 / 1024 if key == "payload_bytes_p50" else 1
         lines.append(f"| {label} | {fmt.format(burst[key] * scale)} | {fmt.format(alone[key] * scale)} |")
-    lines += [f"| raw Gloo send of the same payload, GB/s | | {raw:.3f} |",
+    lines += [f"| raw Gloo send of the same payload, GB/s | | {alone['raw_gloo_gbps_same_payload']:.3f} |",
               f"| hand-off / raw Gloo | | {alone['handoff_vs_raw_gloo']:.2f}× |",
               f"| wire / raw Gloo | | {alone['wire_vs_raw_gloo']:.2f}× |"]
-    table = "\n".join(lines)
-    print(table)
-    report = {"benchmark": "disagg", "commit": git_commit(REPO), "workload": workload.to_dict(),
-              "settings": vars(settings), "machine": machine_description(args.threads),
-              "load_average_1m_before": load_before, "load_average_1m_after": os.getloadavg()[0],
-              "systems": systems, "transfer": transfer, "table_markdown": table}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads of the in-process engine")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/disagg.json"))
+    args = parser.parse_args(argv)
+    workload = Workload(num_requests=args.num_requests, output_len=args.output_len)
+    model_dir = ensure_model(ENGINE_MODEL_DIR, workload.model, workload.seed)
+    prompts = make_prompts(workload)
+    settings = EngineSettings.for_workload(workload)
+    flags = engine_flags(settings)
+    full = report.header("disagg", args.threads)
+    with load_window() as load, tempfile.TemporaryDirectory() as tmp:
+        reference, systems = in_process(model_dir, prompts, workload, settings, args.threads)
+        pool = DeploymentPool(Path(tmp))
+        specs = {"disaggregated": DeploymentSpec(str(model_dir), "disaggregated", worker_flags=flags),
+                 "colocated": DeploymentSpec(str(model_dir), "colocated", colocated_threads=1, worker_flags=flags)}
+        runs = {name: deployment(name, pool, spec, prompts, workload.output_len, reference)
+                for name, spec in specs.items()}
+        systems += [row for row, _, _ in runs.values()]
+        burst, alone = transfer_stats(runs["disaggregated"][1]), transfer_stats(runs["disaggregated"][2])
+        raw = raw_gloo_gbps(int(alone["payload_bytes_p50"]), Path(tmp) / "raw.json")
+    for s in systems:
+        s["vs_in_process"] = s["output_tokens_per_s"] / systems[0]["output_tokens_per_s"]
+    alone.update(raw_gloo_gbps_same_payload=raw, handoff_vs_raw_gloo=alone["handoff_gbps_p50"] / raw,
+                 wire_vs_raw_gloo=alone["wire_gbps_p50"] / raw)
+    table = markdown(systems, burst, alone)
+    sys.stdout.write(table + "\n")
+    report.write_json({**full, "workload": workload.to_dict(), "settings": vars(settings), "load_average_1m": load,
+                       "systems": systems, "transfer": {"burst": burst, "one_at_a_time": alone},
+                       "table_markdown": table}, args.out)
 
 
 if __name__ == "__main__":

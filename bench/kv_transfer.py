@@ -28,11 +28,8 @@ thread) are reported too, to show where the full path's time goes.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import sys
 import time
@@ -47,7 +44,6 @@ from engine.kv_layout import KVLayout
 from plumbing.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
 from kernels.ops import pack_kv, unpack_kv
 
-REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 HOST = "127.0.0.1"
 TIMEOUT_S = 300.0
@@ -247,33 +243,11 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch_version": torch.__version__,
-        "torch_num_threads_per_process": 1,
-        "load_average_1m": os.getloadavg()[0],
-    }
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--min-trial-mib", type=float, default=64)
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/kv_transfer.json")
-    args = parser.parse_args(argv)
-    config = {"sizes_mib": args.sizes_mib, "trials": args.trials,
-              "min_trial_mib": args.min_trial_mib}
-    from bench.report import git_commit
-
+def run_ranks(config: dict) -> dict:
+    """Both ranks in fresh processes; rank 1's results (exits when a rank failed)."""
     ctx = mp.get_context("spawn")
     peer0, peer1 = ctx.Pipe()
     report_recv, report_send = ctx.Pipe(duplex=False)
-    load_before = os.getloadavg()[0]
-    start = time.perf_counter()
     procs = [
         ctx.Process(target=rank_main, args=(0, peer0, None, config), name="kv-bench-rank0"),
         ctx.Process(target=rank_main, args=(1, peer1, report_send, config), name="kv-bench-rank1"),
@@ -289,17 +263,35 @@ def main(argv: list[str] | None = None) -> None:
         proc.join()
     if results is None or any(proc.exitcode != 0 for proc in procs):
         sys.exit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run, print the table, write the report; returns the per-size results."""
+    from bench import report
+    from bench.machine import load_window
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--min-trial-mib", type=float, default=64)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kv_transfer.json"))
+    args = parser.parse_args(argv)
+    config = {"sizes_mib": args.sizes_mib, "trials": args.trials,
+              "min_trial_mib": args.min_trial_mib}
+    full = report.header("kv_transfer", 1)  # one torch thread per rank
+    start = time.perf_counter()
+    with load_window() as load:
+        results = run_ranks(config)
     table = markdown(results)
     print(table)
-    report = {
-        "benchmark": "kv_transfer", "commit": git_commit(REPO), "config": config,
-        "layouts": {name: vars(layout) for name, layout in LAYOUTS.items()},
-        "machine": {**machine(), "load_average_1m_before": load_before},
-        "wall_s": time.perf_counter() - start, "results": results, "table_markdown": table,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    report.write_json({
+        **full, "config": config, "layouts": {name: vars(layout) for name, layout in LAYOUTS.items()},
+        "load_average_1m": load, "wall_s": time.perf_counter() - start, "results": results,
+        "table_markdown": table,
+    }, args.out)
     print(f"\nwrote {args.out}")
+    return results
 
 
 if __name__ == "__main__":

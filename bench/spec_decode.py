@@ -2,9 +2,10 @@
 
     python -m bench.spec_decode [--target models/target] [--draft models/draft] [--k 4]
 
-Workload: prefixes of the Python standard-library files that the bundled model held out
-of training (``models/train_report.json``), cut at seeded lengths of 64-512 tokens (capped
-so prompt + output fits the model), 128 new tokens, greedy. Side by side in one run:
+Workload: ``bench.workload``'s code completion: prefixes of the Python standard-library
+files that the bundled model held out of training (``models/train_report.json``), cut at
+seeded lengths of 64-512 tokens (capped so prompt + output fits the model), 128 new tokens,
+greedy. Side by side in one run:
 
 * batch 1: decode tokens/s (first to last output token) of each request alone, without
   speculation, with n-gram lookup, with the draft model and with both (lookup where the
@@ -25,41 +26,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import random
 import sys
-import sysconfig
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from bench.report import git_commit, machine_description
+from bench import report as report_mod
+from bench.machine import load_average
+from bench.workload import LengthDist, code_prompts
 from engine import Engine, EngineConfig, SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 
-REPO = Path(__file__).resolve().parents[1]
 
-
-def heldout_prompts(target: Path, num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    report = json.loads((target.parent / "train_report.json").read_text())
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [stdlib / f for f in report["corpus"]["heldout_files"] if (stdlib / f).is_file()]
-    tokenizer = AutoTokenizer.from_pretrained(str(target))
-    tokenizer.model_max_length = 1 << 30  # whole files are tokenized, then cut
-    rng = random.Random(seed)
-    docs = [tokenizer.encode(f.read_text(errors="replace")) for f in files]
-    docs = [d for d in docs if len(d) > max_len]
-    prompts = []
-    for i in range(num):
-        doc = docs[i % len(docs)]
-        length = rng.randint(min_len, max_len)
-        start = rng.randint(0, len(doc) - length)
-        prompts.append(doc[start : start + length])
-    return prompts
+def heldout_prompts(target: Path, num: int, min_len: int, max_len: int, seed: int,
+                    output_len: int) -> tuple[list[list[int]], str]:
+    """Code-completion prompts of ``min_len..max_len`` tokens, and where the text came from."""
+    requests, source = code_prompts(target, num, seed, LengthDist(min_len, max_len), LengthDist(output_len, output_len))
+    return [list(r.prompt_token_ids) for r in requests], source
 
 
 def _engine(target: Path, spec: SpeculativeConfig | None, threads: int) -> Engine:
@@ -159,8 +144,8 @@ def _spec_delta(before: object, engine: Engine) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=REPO / "models" / "target")
-    ap.add_argument("--draft", type=Path, default=REPO / "models" / "draft")
+    ap.add_argument("--target", type=Path, default=Path("models/target"))
+    ap.add_argument("--draft", type=Path, default=Path("models/draft"))
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
     ap.add_argument("--num-batch1", type=int, default=8, help="requests timed one at a time")
     ap.add_argument("--num-batch", type=int, default=32)
@@ -169,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="rounds per measurement; the fastest (least disturbed) counts")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "spec_decode.json")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/spec_decode.json"))
     args = ap.parse_args(argv)
 
     max_prompt = min(512, json.loads((args.target / "config.json").read_text())["max_position_embeddings"] - args.output_len)
-    prompts = heldout_prompts(args.target, args.num_batch, 64, max_prompt, args.seed)
+    prompts, source = heldout_prompts(args.target, args.num_batch, 64, max_prompt, args.seed, args.output_len)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     configs = {
         "none": None,
@@ -182,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         "ngram_draft": SpeculativeConfig(method="ngram_draft", draft_model=str(args.draft),
                                          num_speculative_tokens=args.k),
     }
-    report: dict = {"machine": machine_description(args.threads), "commit": git_commit(REPO),
-                    "workload": {"prompt_len": [64, max_prompt], "output_len": args.output_len,
+    report: dict = {**report_mod.header("spec_decode", args.threads),
+                    "workload": {"source": source, "prompt_len": [64, max_prompt], "output_len": args.output_len,
                                  "k": args.k, "num_batch1": args.num_batch1, "num_batch": args.num_batch,
                                  "repeats": args.repeats,
                                  "prompt_lens": [len(p) for p in prompts]},
@@ -194,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.generate([prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=8))
     report["batch1"] = run_batch1(engines, prompts[: args.num_batch1], params, args.repeats)
     report["batch"] = run_batched({**engines, "draft_forced": forced}, prompts, params, args.repeats)
-    report["machine"]["load_average_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    report["machine"]["load_average_1m_end"] = load_average()
     _print_and_save(report, args.out)
     return 0
 
@@ -222,8 +207,7 @@ def _print_and_save(report: dict, out: Path) -> None:
     for section in ("batch1", "batch"):
         for r in report[section].values():
             r.pop("outputs")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    report_mod.write_json(report, out)
     sys.stdout.write(f"report: {out}\n")
 
 

@@ -14,18 +14,20 @@ requests. Prints a table and writes every figure to a JSON file. See ``bench/REA
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.workload import ModelShape, Workload
+from bench.workload import ENGINE_MODEL_DIR, ModelShape, Workload
 
-REPO_DIR = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_DIR = REPO_DIR / ".cache" / "bench-llama-32m"
-DEFAULT_OUT = REPO_DIR / "bench" / "results" / "throughput.json"
+DEFAULT_MODEL_DIR = ENGINE_MODEL_DIR
+DEFAULT_OUT = Path("bench/results/throughput.json")
+SYSTEM_LABELS = {
+    "ours": "splitserve Engine.generate",
+    "hf_sequential": "transformers generate (batch 1)",
+    "hf_batch": "transformers generate_batch",
+}
 
 
 @dataclass(frozen=True)
@@ -102,22 +104,13 @@ def _progress(message: str) -> None:
     sys.stderr.flush()
 
 
-def run(config: BenchConfig) -> dict:
-    """Run every system and return the full report (also written to ``config.out_path``)."""
-    import torch
-    from transformers.utils import logging as hf_logging
+def _plan(config: BenchConfig, model_dir: Path, prompts: list[list[int]]) -> list[tuple[str, int, object]]:
+    """(name, requests, run) per system; ``run()`` returns its ``SystemRun``."""
+    from bench import systems
 
-    from bench import report, systems, workload as workload_mod
-
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(config.num_threads)
     wl = config.workload
-    model_dir = workload_mod.ensure_model(config.model_dir, wl.model, wl.seed)
-    prompts = workload_mod.make_prompts(wl)
-    settings = systems.EngineSettings.for_workload(wl, config.block_size,
-                                                   config.max_num_batched_tokens)
+    settings = systems.EngineSettings.for_workload(wl, config.block_size, config.max_num_batched_tokens)
     sampled = prompts[: config.num_hf_sequential_requests]
-
     cb_kwargs = systems.hf_batch_cache_kwargs(wl, settings, config.hf_page_size)
     plan = [
         ("ours", len(prompts), lambda: systems.run_ours(model_dir, prompts, wl, settings)),
@@ -126,58 +119,118 @@ def run(config: BenchConfig) -> dict:
     ]
     if not config.skip_hf_batch:
         plan.append(("transformers generate_batch", len(prompts),
-                     lambda: systems.run_hf_batch(model_dir, prompts, wl, cb_kwargs,
-                                                  config.hf_batch_attn)))
-    runs = []
-    for name, num_requests, run_system in plan:
-        _progress(f"{name}: {num_requests} requests")
-        load_before = os.getloadavg()[0]
-        system_run = run_system()
-        # The CPUs may be shared: the load around each system says how far to trust it.
-        system_run.details["load_average_1m"] = {"before": load_before,
-                                                 "after": os.getloadavg()[0]}
-        runs.append(system_run)
+                     lambda: systems.run_hf_batch(model_dir, prompts, wl, cb_kwargs, config.hf_batch_attn)))
+    return plan
+
+
+def _correctness(runs: list) -> dict:
+    """Greedy outputs of ours and generate_batch against generate (batch 1), request by request."""
+    from bench.metrics import match_outputs
 
     by_name = {r.system: r for r in runs}
-    rows = report.result_rows(runs)
-    for row in rows:
-        if row["system"] == "hf_sequential":
-            row["sampled_requests"] = {
-                "num_sampled": len(sampled), "of": len(prompts), "which": "the first requests",
-                "note": "batch-1 throughput barely depends on the prompt mix, so a sample is timed",
-            }
+    reference = by_name["hf_sequential"]
     correctness = {}
     for name in ("ours", "hf_batch"):
         if name in by_name:
-            match = report.compare_outputs(by_name[name], by_name["hf_sequential"])
+            ok = by_name[name].error is None and reference.error is None
+            match = match_outputs(by_name[name].output_ids, reference.output_ids) if ok else None
             correctness[f"{name}_vs_hf_sequential"] = None if match is None else match.to_dict()
+    return correctness
+
+
+def run(config: BenchConfig) -> dict:
+    """Run every system and return the full report (also written to ``config.out_path``)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from bench import report, workload as workload_mod
+    from bench.machine import load_window
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(config.num_threads)
+    wl = config.workload
+    model_dir = workload_mod.ensure_model(config.model_dir, wl.model, wl.seed)
+    prompts = workload_mod.make_prompts(wl)
+    runs = []
+    for name, num_requests, run_system in _plan(config, model_dir, prompts):
+        _progress(f"{name}: {num_requests} requests")
+        with load_window() as load:
+            system_run = run_system()
+        system_run.details["load_average_1m"] = load
+        runs.append(system_run)
+    rows = result_rows(runs)
+    for row in rows:
+        if row["system"] == "hf_sequential":
+            row["sampled_requests"] = {
+                "num_sampled": config.num_hf_sequential_requests, "of": len(prompts), "which": "the first requests",
+                "note": "batch-1 throughput barely depends on the prompt mix, so a sample is timed",
+            }
+    correctness = _correctness(runs)
     ours_match = correctness.get("ours_vs_hf_sequential")
     full = {
-        "benchmark": "offline_throughput",
-        "command": [sys.executable, "-m", "bench.throughput", *sys.argv[1:]],
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "git_commit": report.git_commit(REPO_DIR),
-        "machine": report.machine_description(config.num_threads),
+        **report.header("offline_throughput", config.num_threads),
         "workload": {**wl.to_dict(), "max_model_len": wl.max_model_len,
                      "prompt_lens": [len(p) for p in prompts],
                      "num_parameters": workload_mod.count_parameters(model_dir),
-                     "dtype": "float32", "decoding": "greedy, ignore_eos",
-                     "model_dir": str(model_dir)},
+                     "dtype": "float32", "decoding": "greedy, ignore_eos", "model_dir": str(model_dir)},
         "results": rows,
         "matches_hf_sequential": None if ours_match is None else ours_match["matches"],
         "correctness": correctness,
     }
-    config.out_path.parent.mkdir(parents=True, exist_ok=True)
-    config.out_path.write_text(json.dumps(full, indent=2) + "\n")
+    report.write_json(full, config.out_path)
     return full
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bench import report
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or base == 0.0:
+        return None
+    return value / base
 
+
+def result_rows(runs: list) -> list[dict]:
+    """One dict per ``SystemRun`` with every figure, ratios included."""
+    by_name = {run.system: run for run in runs}
+    hf_seq_tps = by_name["hf_sequential"].output_tokens_per_s if "hf_sequential" in by_name else None
+    ours_tps = by_name["ours"].output_tokens_per_s if "ours" in by_name else None
+    return [{
+        "system": run.system, "label": SYSTEM_LABELS.get(run.system, run.system),
+        "num_requests": run.num_requests, "num_output_tokens": run.num_output_tokens,
+        "seconds": run.seconds, "output_tokens_per_s": run.output_tokens_per_s,
+        "ratio_vs_hf_sequential": _ratio(run.output_tokens_per_s, hf_seq_tps),
+        "ratio_vs_ours": _ratio(run.output_tokens_per_s, ours_tps),
+        "error": run.error, "details": run.details,
+    } for run in runs]
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else format(value, spec) + suffix
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("system", "requests", "output tokens", "seconds", "output tok/s", "vs HF batch-1", "vs ours")
+    lines = []
+    for row in rows:
+        if row["error"] is not None:
+            lines.append((row["label"], str(row["num_requests"]), "-", "-", "FAILED", "-", "-"))
+            continue
+        lines.append((row["label"], str(row["num_requests"]), str(row["num_output_tokens"]),
+                      _fmt(row["seconds"], ".2f"), _fmt(row["output_tokens_per_s"], ".1f"),
+                      _fmt(row["ratio_vs_hf_sequential"], ".2f", "x"), _fmt(row["ratio_vs_ours"], ".2f", "x")))
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+
+    def render(cells: tuple[str, ...]) -> str:
+        rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:])]
+        return " | ".join([cells[0].ljust(widths[0]), *rest])
+
+    out = [render(header), "-+-".join("-" * width for width in widths), *(render(line) for line in lines)]
+    out += [f"{row['label']} failed: {row['error']}" for row in rows if row["error"] is not None]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     full = run(config)
-    sys.stdout.write(report.format_table(full["results"]))
+    sys.stdout.write(format_table(full["results"]))
     for name, match in full["correctness"].items():
         summary = "n/a (a system failed)" if match is None else match["matches"]
         sys.stdout.write(f"greedy outputs equal, {name}: {summary}\n")

@@ -1,4 +1,5 @@
-"""The only component that touches the device: builds step inputs, runs the model, samples."""
+"""The device side of the engine: owns the weights and the KV cache tensor, builds step
+inputs, runs the model, samples."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 One owner: the gateway's event loop (no locks). A worker that misses
 ``heartbeat_miss_count`` periods is dropped by the sweeper; a worker whose RPC fails with
-UNAVAILABLE is dropped at once (``drop``). Routing reads the last reported load plus
+UNAVAILABLE with a lost connection is dropped at once (``drop``). Routing reads the last reported load plus
 what this gateway routed since (so a burst does not all land on one worker).
 
 Identity (``docs/architecture.md``, "Identities"): the registry has an incarnation of its

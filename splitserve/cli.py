@@ -190,14 +190,14 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from splitserve.benchmark.main import run_from_args
+    from bench.main import run_from_args
 
     return run_from_args(args)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """``splitserve bench``: load generator, peers and report (``splitserve/benchmark/``)."""
-    from splitserve.benchmark.options import add_bench_flags
+    """``splitserve bench``: load generator, peers and report (the ``bench`` package)."""
+    from bench.options import add_bench_flags
 
     bench = sub.add_parser("bench", help="benchmark a deployment and its peers; write a report")
     add_bench_flags(bench, os.environ.get("SPLITSERVE_MODEL") or str(BUNDLED_MODEL))

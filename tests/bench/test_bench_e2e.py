@@ -1,41 +1,121 @@
-"""``splitserve bench --profile tiny`` end to end: real gateway and worker processes, a tiny
-workload, the fast peers (vLLM pointed at a missing interpreter, so it must be skipped with
-a reason). Checks the report's structure, not its speed."""
+"""``splitserve bench --profile tiny`` end to end, from an installed wheel, outside the source
+tree: real gateway and worker processes, a tiny workload on the seeded random model the
+profile makes, the fast peers (vLLM pointed at a missing interpreter, so it must be skipped
+with a reason). Checks the report's structure, not its speed.
+
+The wheel is built from exactly what the Dockerfile copies into the image, so a folder the
+image lacks fails here too. It goes into a venv of its own whose third-party dependencies
+are this interpreter's (a ``.pth`` file; a fully fresh venv installs torch, triton and NCCL,
+minutes and gigabytes: ``tools/wheel_check.sh`` does that). The project's own packages come
+only from the wheel: the venv's site-packages comes first, this checkout is not on the path
+and the editable install's import hook lives in a ``.pth`` file that is never processed.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 
-from splitserve.benchmark.report import figure_problems, is_skipped
+from bench.report import figure_problems, is_skipped
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_tiny(out: Path) -> tuple[dict, subprocess.CompletedProcess]:
-    cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--profile", "tiny", "--out", str(out),
-           "--no-progress", "--peers", "engine,hf_generate,vllm_cpu,disaggregated,colocated",
-           "--vllm-python", str(out / "no-such-venv" / "python"), "--threads", "2"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def dockerfile_sources() -> list[str]:
+    """The paths the Dockerfile's ``COPY`` lines take from the build context."""
+    sources = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words and words[0] == "COPY":
+            sources += [w for w in words[1:-1] if not w.startswith("--")]
+    return sources
+
+
+def build_wheel(tmp: Path) -> Path:
+    """The wheel built from a copy of the Dockerfile's inputs (never in this checkout)."""
+    src = tmp / "src"
+    src.mkdir()
+    for name in dockerfile_sources():
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*_pb2*.py*"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp / "dist").glob("splitserve-*.whl")
+    return wheel
+
+
+def install_in_venv(wheel: Path, venv: Path) -> Path:
+    """A venv holding the wheel, its dependencies borrowed from this interpreter; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    deps = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    (Path(site) / "borrowed_dependencies.pth").write_text("\n".join(deps) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                    "--no-index", "--force-reinstall", str(wheel)], check=True, capture_output=True, timeout=300)
+    return python
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "SPLITSERVE_MODEL")}
+
+
+def run_tiny(venv: Path, run_dir: Path) -> tuple[dict, subprocess.CompletedProcess]:
+    out = run_dir / "report"
+    cmd = [str(venv / "bin" / "splitserve"), "bench", "--profile", "tiny", "--out", str(out), "--no-progress",
+           "--peers", "engine,hf_generate,vllm_cpu,disaggregated,colocated",
+           "--vllm-python", str(run_dir / "no-such-venv" / "python"), "--threads", "2"]
+    proc = subprocess.run(cmd, cwd=run_dir, env=clean_env(), capture_output=True, text=True, timeout=600)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
     return report, proc
 
 
+def test_dockerfile_copies_every_packaged_folder() -> None:
+    """What ``[tool.setuptools.packages.find]`` packages, the image must have to install."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = set(dockerfile_sources())
+    assert {pattern.rstrip("*") for pattern in include} <= copied
+
+
 @pytest.mark.slow
-def test_tiny_profile_report(tmp_path: Path) -> None:
-    """One test (one run of the profile, also under pytest-xdist), three groups of checks."""
-    report, proc = run_tiny(tmp_path)
+def test_tiny_profile_from_a_wheel(tmp_path: Path) -> None:
+    """One test (one run of the profile, also under pytest-xdist), four groups of checks."""
+    venv = tmp_path / "venv"
+    python = install_in_venv(build_wheel(tmp_path), venv)
+    check_installed(python, venv)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    report, proc = run_tiny(venv, run_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (run_dir / ".cache" / "bench-tiny-llama" / "config.json").is_file()  # made by the harness
+    assert report["git_commit"] is None and report["splitserve_version"]  # an install, not a checkout
     check_structure(report)
     check_sections(report)
-    check_markdown_and_plots(tmp_path, report)
+    check_markdown_and_plots(run_dir / "report", report)
+
+
+def check_installed(python: Path, venv: Path) -> None:
+    """The project's packages load from the venv, and ``splitserve bench --help`` works."""
+    where = subprocess.run([str(python), "-c", "import bench, engine, plumbing.rpc, splitserve.v1.gateway_pb2 as g; "
+                            "print(bench.__file__, engine.__file__, plumbing.rpc.__file__, g.__file__)"],
+                           cwd=venv, env=clean_env(), check=True, capture_output=True, text=True).stdout.split()
+    assert all(Path(path).is_relative_to(venv) for path in where), where
+    help_text = subprocess.run([str(venv / "bin" / "splitserve"), "bench", "--help"], cwd=venv, env=clean_env(),
+                               check=True, capture_output=True, text=True).stdout
+    assert "--profile" in help_text
 
 
 def check_structure(report: dict) -> None:
@@ -46,6 +126,7 @@ def check_structure(report: dict) -> None:
         assert not is_skipped(report[section]), report[section]
     assert figure_problems(report) == []
     assert report["machine"]["cpu_count"] >= 1
+    assert report["config"]["random_model"]["hidden_size"] == 128
 
 
 def check_sections(report: dict) -> None:

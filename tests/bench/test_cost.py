@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.benchmark.cost import (
+from bench.cost import (
     HOURS_PER_MONTH,
     Pricing,
     break_even_tokens_per_month,

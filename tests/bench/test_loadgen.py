@@ -4,15 +4,18 @@ many requests it keeps in flight, how it reports failures. No timing assertions.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 import grpc
 import pytest
 
-from splitserve.benchmark.loadgen import LoadGenerator, LoadPlan, poisson_offsets
-from splitserve.benchmark.metrics import Slo
-from splitserve.benchmark.online import measure
-from splitserve.benchmark.workloads import RequestSpec
+from bench.deployment import WARMUP, send_all
+from bench.loadgen import LoadGenerator, LoadPlan, poisson_offsets
+from bench.metrics import Slo
+from bench.online import measure
+from bench.workload import RequestSpec
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 BAD_TOKEN = 0  # the fake rejects prompts that start with it
@@ -128,22 +131,27 @@ def test_closed_loop_stops_issuing_when_told() -> None:
     assert fake.num_calls == 0
 
 
-def test_measure_builds_a_report_entry() -> None:
-    fake = FakeGateway()
+@contextmanager
+def served_from_a_thread(fake: FakeGateway) -> Iterator[str]:
+    """The fake on its own event loop in a thread, for callers that run their own loop."""
     loop = asyncio.new_event_loop()
     server, address = loop.run_until_complete(_serve(fake))
-    # measure() runs its own event loop; serve from a thread meanwhile.
-    import threading
-
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
-        entry, records = measure(address, "run", "synthetic", _requests(4), LoadPlan("closed", concurrency=4),
-                                 Slo(ttft_s=10.0, tpot_s=10.0), progress=False)
+        yield address
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
+        loop.close()
+
+
+def test_measure_builds_a_report_entry() -> None:
+    fake = FakeGateway()
+    with served_from_a_thread(fake) as address:
+        entry, records = measure(address, "run", "synthetic", _requests(4), LoadPlan("closed", concurrency=4),
+                                 Slo(ttft_s=10.0, tpot_s=10.0), progress=False)
     assert len(records) == 4 and entry["counts"]["num_completed"] == 4
     figures = entry["figures"]
     assert figures["goodput_rps"] == figures["requests_per_s"] > 0   # generous SLOs
@@ -151,6 +159,25 @@ def test_measure_builds_a_report_entry() -> None:
     assert figures["spec_decode_acceptance_rate"] == 0.75
     assert figures["kv_utilisation"] == {"decode": {"skipped": "no KV samples were taken"}}
     assert [row["num_output_tokens"] for row in entry["requests"]] == [5, 5, 5, 5]
+
+
+def test_send_all_warms_up_then_times_every_request_in_order() -> None:
+    fake = FakeGateway()
+    with served_from_a_thread(fake) as address:
+        seconds, records = send_all(address, _requests(5, max_new_tokens=3))
+    assert fake.num_calls == 2 + 5  # the untimed warm-ups are not in the records
+    assert [r.index for r in records] == list(range(5))
+    assert [r.token_ids for r in records] == [tuple(range(4 + i, 7 + i)) for i in range(5)]
+    assert seconds == max(r.end_s for r in records) - min(r.send_s for r in records) > 0
+    assert len(WARMUP.prompt_token_ids) == 16 and WARMUP.kind == "warmup"
+
+
+def test_send_all_raises_on_a_failed_request() -> None:
+    fake = FakeGateway()
+    reqs = _requests(3)
+    reqs[1] = RequestSpec((BAD_TOKEN, 5, 6), 5, "bad")
+    with served_from_a_thread(fake) as address, pytest.raises(RuntimeError, match="1 request.*INVALID_ARGUMENT"):
+        send_all(address, reqs, concurrency=1)
 
 
 def test_poisson_offsets_are_seeded() -> None:

@@ -7,13 +7,14 @@ import random
 
 import pytest
 
-from splitserve.benchmark.metrics import (
+from bench.metrics import (
     RequestRecord,
     ServerTimings,
     Slo,
     all_itls_s,
     distribution,
     goodput_rps,
+    match_outputs,
     percentile,
     slo_attainment,
     spec_acceptance_rate,
@@ -131,3 +132,11 @@ def test_record_validation() -> None:
     with pytest.raises(ValueError):
         record(0, 0.0, [(1.0, 0)], 1.0)
     assert math.isclose(record(0, 0.0, [(1.0, 1)], 1.0).e2e_s, 1.0)
+
+
+def test_match_outputs_counts_equal_requests_and_first_divergence() -> None:
+    match = match_outputs([[1, 2, 3], [4, 5, 6], [7, 8], [9]], [[1, 2, 3], [4, 0, 6], [7, 8, 9]])
+    assert (match.num_equal, match.num_compared) == (1, 3)  # the 4th request has no reference
+    assert match.first_divergence == {1: 1, 2: 2}  # a prefix diverges where the shorter one ends
+    assert match.fraction == "1/3"
+    assert match.to_dict()["first_divergence"] == {"1": 1, "2": 2}

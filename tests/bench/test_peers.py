@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from splitserve.benchmark.peers import PeerResult, best_of_threads, greedy_match, peer_row
-from splitserve.benchmark.report import figure_problems
+from bench.peers import PeerResult, best_of_threads, greedy_match, peer_row
+from bench.report import figure_problems
 
 
 def result(seconds: float, ids: tuple[tuple[int, ...], ...] = ((1, 2), (3, 4)), **kw: object) -> PeerResult:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from splitserve.benchmark.report import figure_problems, goals, is_skipped
+from bench.report import figure_problems, goals, is_skipped
 
 
 def test_figure_problems_accepts_positive_numbers_and_reasoned_skips() -> None:

@@ -6,11 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.benchmark.workloads import (
+from bench.workload import (
     FIRST_ORDINARY_ID,
     LengthDist,
+    ModelShape,
     code_completion,
+    code_prompts,
     code_source_files,
+    count_parameters,
+    ensure_model,
     long_mix,
     synthetic,
     tokenize_files,
@@ -70,3 +74,41 @@ def test_length_dist_validation() -> None:
         LengthDist(4, 8, "lognormal")
     with pytest.raises(ValueError):
         LengthDist(4, 8, "zipf")
+
+
+def test_code_source_falls_back_to_the_installed_packages(tmp_path: Path) -> None:
+    """No training report beside the model: the project's own source, found by import (so a
+    wheel install has it too), not through a checkout's path."""
+    files, description = code_source_files(tmp_path / "model")
+    assert "own Python source" in description
+    import engine.engine
+    import splitserve.cli
+
+    assert Path(engine.engine.__file__) in files and Path(splitserve.cli.__file__) in files
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        tokenize_files(tmp_path, files[:1])
+
+
+def test_code_prompts_are_windows_of_the_held_out_text() -> None:
+    requests, source = code_prompts(MODEL, 4, 0, LengthDist(16, 32), LengthDist(8, 8))
+    assert "held-out" in source
+    assert [r.max_new_tokens for r in requests] == [8] * 4
+    docs = tokenize_files(MODEL, code_source_files(MODEL)[0])
+    for req in requests:
+        ids = list(req.prompt_token_ids)
+        assert 16 <= len(ids) <= 32
+        assert any(doc[i:i + len(ids)] == ids for doc in docs for i in range(len(doc) - len(ids) + 1))
+
+
+def test_ensure_model_makes_then_reuses_a_seeded_model(tmp_path: Path) -> None:
+    shape = ModelShape(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=64, vocab_size=64, max_position_embeddings=64, initializer_range=0.15)
+    path = ensure_model(tmp_path / "m", shape, seed=3)
+    assert path == (tmp_path / "m").resolve() and path.is_absolute()
+    weights = path / "model.safetensors"
+    made = weights.stat().st_mtime_ns
+    assert ensure_model(tmp_path / "m", shape, seed=3) == path and weights.stat().st_mtime_ns == made
+    assert count_parameters(path) == 2 * 64 * 32 + 32 * 32 * 2 + 2 * 32 * 16 + 3 * 32 * 64 + 3 * 32
+    before = weights.read_bytes()
+    ensure_model(tmp_path / "m", shape, seed=4)  # another seed: made again, other weights
+    assert weights.read_bytes() != before

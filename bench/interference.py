@@ -21,18 +21,19 @@ more than one, also on a single thread (a small model can decode faster on one);
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Sequence
 
-from splitserve.benchmark import metrics
-from splitserve.benchmark.deployment import DeploymentPool, DeploymentSpec
-from splitserve.benchmark.loadgen import LoadGenerator
-from splitserve.benchmark.metrics import RequestRecord
-from splitserve.benchmark.online import ModelInfo, ProgressBar, request_rows
-from splitserve.benchmark.profiles import InterferenceProfile
-from splitserve.benchmark.summary import MS, errors, skipped, transfer_figures
-from splitserve.benchmark.workloads import LengthDist, RequestSpec, synthetic
+from bench import metrics
+from bench.deployment import DeploymentPool, DeploymentSpec
+from bench.loadgen import LoadGenerator
+from bench.machine import load_window
+from bench.metrics import RequestRecord
+from bench.online import ModelInfo, ProgressBar, request_rows
+from bench.profiles import InterferenceProfile
+from bench.report import skipped
+from bench.summary import MS, errors, transfer_figures
+from bench.workload import LengthDist, RequestSpec, synthetic
 
 DECODE_REQUESTS_PER_CLIENT = 200  # more than any run uses: the clients stop when told
 
@@ -87,10 +88,10 @@ def run_mode(address: str, profile: InterferenceProfile, model: ModelInfo, seed:
     """One mode's report entry."""
     decode, long = make_requests(profile, model, seed)
     bar = ProgressBar(len(long), f"interference, {mode}", progress)
-    load_before = os.getloadavg()[0]
     try:
-        decode_recs, long_recs, window, decode_start = asyncio.run(
-            _interfere(address, decode, long, profile, seed, bar))
+        with load_window() as load:
+            decode_recs, long_recs, window, decode_start = asyncio.run(
+                _interfere(address, decode, long, profile, seed, bar))
     finally:
         bar.close()
     everything = [*decode_recs, *long_recs]
@@ -100,7 +101,7 @@ def run_mode(address: str, profile: InterferenceProfile, model: ModelInfo, seed:
                    "num_failed": sum(1 for r in everything if not r.ok),
                    "num_itl_gaps_under_interference": len(metrics.all_itls_s(decode_recs, within=window))},
         "errors": errors(everything),
-        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
+        "load_average_1m": load,
         "requests": request_rows(everything, decode_start),
     }
 

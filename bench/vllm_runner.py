@@ -1,6 +1,6 @@
 """The vLLM-CPU peer, run as a script inside vLLM's own virtual environment.
 
-    /tmp/vllm-venv/bin/python splitserve/benchmark/vllm_runner.py --model DIR \
+    /tmp/vllm-venv/bin/python -I bench/vllm_runner.py --model DIR \
         --prompts prompts.json --output-len 128 --out result.json [--threads 2]
 
 It imports nothing from splitserve (the venv has vLLM, not this project). Prompts are token

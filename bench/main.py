@@ -10,22 +10,19 @@ command exits 1.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from splitserve.benchmark import report as report_mod
-from splitserve.benchmark.cost import cost_figures
-from splitserve.benchmark.deployment import DeploymentPool, DeploymentSpec
-from splitserve.benchmark.options import BenchConfig
-from splitserve.benchmark.summary import skipped
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from bench import report as report_mod
+from bench.cost import cost_figures
+from bench.deployment import DeploymentPool, DeploymentSpec, engine_flags
+from bench.machine import load_average
+from bench.options import BenchConfig
+from bench.report import skipped
 
 
 def say(message: str) -> None:
@@ -42,7 +39,7 @@ def deployment_spec(config: BenchConfig, mode: str, model: Path | str, extra: tu
 
 
 def online_section(config: BenchConfig, pool: DeploymentPool) -> dict:
-    from splitserve.benchmark import online
+    from bench import online
 
     model = online.ModelInfo.read(config.model)
     if config.gateway:
@@ -71,7 +68,7 @@ def cost_section(config: BenchConfig, online: dict) -> dict:
 
 
 def interference_section(config: BenchConfig, pool: DeploymentPool, keep: set[DeploymentSpec]) -> dict:
-    from splitserve.benchmark import interference, online
+    from bench import interference, online
 
     specs = {mode: deployment_spec(config, mode, config.model, config.kv_flags())
              for mode in ("disaggregated", "colocated")}
@@ -84,14 +81,12 @@ def interference_section(config: BenchConfig, pool: DeploymentPool, keep: set[De
 
 
 def peers_section(config: BenchConfig, pool: DeploymentPool) -> dict:
-    from splitserve.benchmark import peers
+    from bench import peers
 
     setup = peers.prepare(config.profile.peers, config.model, config.seed)
     flags = config.kv_flags()
     if config.profile.peers.engine_workload:  # the engine's limits, so the deployments match it
-        s = setup.settings
-        flags = ("--num-kv-blocks", str(s.num_kv_blocks), "--max-num-seqs", str(s.max_num_seqs),
-                 "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-model-len", str(s.max_model_len))
+        flags = engine_flags(setup.settings)
 
     def spec(mode: str) -> DeploymentSpec:
         return deployment_spec(config, mode, setup.model_dir, flags)
@@ -114,16 +109,21 @@ def _guarded(name: str, run: Callable[[], dict], failures: list[str]) -> dict:
 
 
 def _header(config: BenchConfig, argv: list[str]) -> dict:
-    if str(REPO_ROOT) not in sys.path:  # bench/ is this checkout's package, not installed
-        sys.path.insert(0, str(REPO_ROOT))
-    from bench.report import git_commit, machine_description
-
-    return {"schema": report_mod.SCHEMA, "command": ["splitserve", "bench", *argv],
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(REPO_ROOT),
-            "profile": config.profile.name, "machine": machine_description(config.threads),
-            "config": {"model": str(config.model), "threads": config.threads, "seed": config.seed,
-                       "speculative": config.speculative, "sections": list(config.sections),
+    header = report_mod.header("splitserve-bench", config.threads, ["splitserve", "bench", *argv])
+    random_model = asdict(config.random_model) if config.random_model is not None else None
+    return {"schema": report_mod.SCHEMA, **header, "profile": config.profile.name,
+            "config": {"model": str(config.model), "random_model": random_model, "threads": config.threads,
+                       "seed": config.seed, "speculative": config.speculative, "sections": list(config.sections),
                        "slo": {"ttft_ms": config.slo.ttft_s * 1000, "tpot_ms": config.slo.tpot_s * 1000}}}
+
+
+def _make_model(config: BenchConfig) -> None:
+    """The profile's seeded random model, when it has one and no ``--model`` was given."""
+    if config.random_model is not None:
+        from bench.workload import ensure_model
+
+        say(f"model: seeded random Llama in {config.model}")
+        ensure_model(config.model, config.random_model, config.seed)
 
 
 def _later_specs(config: BenchConfig) -> tuple[set[DeploymentSpec], set[DeploymentSpec]]:
@@ -145,6 +145,7 @@ def run(config: BenchConfig, argv: list[str]) -> tuple[dict, list[str]]:
     config.out_dir.mkdir(parents=True, exist_ok=True)
     report, failures = _header(config, argv), []
     start = time.perf_counter()
+    _make_model(config)
     pool = DeploymentPool(config.out_dir / "logs")
     for_interference, for_peers = _later_specs(config)
     not_requested = skipped("not requested (--sections)")
@@ -164,29 +165,14 @@ def run(config: BenchConfig, argv: list[str]) -> tuple[dict, list[str]]:
         pool.close()
     report["goals"] = report_mod.goals(report)
     report["elapsed_s"] = time.perf_counter() - start
-    report["load_average_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    report["load_average_end"] = load_average()
     report["failures"] = failures
     return report, failures
 
 
-def write(report: dict, out_dir: Path) -> list[str]:
-    from splitserve.benchmark import markdown, plots
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        names = plots.write_plots(report, out_dir)
-        report["plots"] = names
-    except ImportError as exc:  # matplotlib missing: the figures are still all in the JSON
-        names = []
-        report["plots"] = {"skipped": f"no plots: {exc}"}
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out_dir / "report.md").write_text(markdown.render(report, names))
-    return names
-
-
 def main(config: BenchConfig, argv: list[str]) -> int:
     report, failures = run(config, argv)
-    write(report, config.out_dir)
+    report_mod.write_bench_report(report, config.out_dir)
     for row in report["goals"]:
         measured = row["figures"]["measured"]
         value = measured["skipped"] if report_mod.is_skipped(measured) else f"{measured:.3f}"
@@ -200,7 +186,7 @@ def main(config: BenchConfig, argv: list[str]) -> int:
 
 def run_from_args(args: object) -> int:
     """The ``splitserve bench`` subcommand (flags from ``options.add_bench_flags``)."""
-    from splitserve.benchmark.options import build_config
+    from bench.options import build_config
 
     try:
         config = build_config(args)

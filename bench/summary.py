@@ -11,16 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splitserve.benchmark import metrics
-from splitserve.benchmark.metrics import RequestRecord, Slo
-from splitserve.benchmark.monitor import KvSample
+from bench import metrics
+from bench.metrics import RequestRecord, Slo
+from bench.monitor import KvSample
+from bench.report import skipped
 
 MS = 1000.0
-ZERO_ALLOWED = frozenset({"goodput_rps", "slo_attainment"})
-
-
-def skipped(reason: str) -> dict:
-    return {"skipped": reason}
 
 
 def _dist_or_skip(values: Sequence[float], scale: float, reason: str) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitserve.benchmark.report import is_skipped
+from bench.report import is_skipped
 
 
 def _num(value: object, spec: str = ".3g") -> str:
@@ -170,11 +170,18 @@ def goals_md(rows: list[dict]) -> str:
     return table(["goal", "measured", "target", "met"], body)
 
 
+def _provenance(report: dict) -> str:
+    """The commit of a checkout, else the installed version."""
+    if report.get("git_commit"):
+        return f"commit `{report['git_commit'][:12]}`"
+    return f"splitserve {report.get('splitserve_version') or 'of unknown version'} (installed, no commit)"
+
+
 def render(report: dict, plots: list[str]) -> str:
     m = report["machine"]
     parts = [
         f"# splitserve bench — profile `{report['profile']}`\n\n",
-        f"{report['timestamp']}, commit `{(report['git_commit'] or 'unknown')[:12]}`, {report['elapsed_s']:.0f} s. "
+        f"{report['timestamp']}, {_provenance(report)}, {report['elapsed_s']:.0f} s. "
         f"Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch_version']}, load average "
         f"{_num(m.get('load_average_1m'), '.2f')} at the start, "
         f"{_num(report.get('load_average_end'), '.2f')} at the end.\n\n",

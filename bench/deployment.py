@@ -11,14 +11,35 @@ Two modes, each a :class:`splitserve.cluster.Cluster` of real processes:
 Both get the same CPU budget: disaggregated splits ``threads`` between the prefill and the
 decode worker (``prefill_threads`` + ``decode_threads``), colocated gives its one worker
 ``colocated_threads``. The gateway and the load generator run beside them on the same cores.
+
+:func:`send_all` is the offline measurement every benchmark makes of a deployment: all
+prompts at once, timed from the first send to the last final chunk.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench.loadgen import LoadGenerator
+from bench.metrics import RequestRecord, window_s
+from bench.workload import RequestSpec
+
+if TYPE_CHECKING:
+    from bench.systems import EngineSettings
 
 MODES = ("disaggregated", "colocated")
+WARMUP = RequestSpec((5,) * 16, 8, "warmup")
+
+
+def engine_flags(settings: EngineSettings) -> tuple[str, ...]:
+    """Worker flags that give a deployment the in-process engine's limits."""
+    return ("--num-kv-blocks", str(settings.num_kv_blocks), "--max-num-seqs", str(settings.max_num_seqs),
+            "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+            "--max-model-len", str(settings.max_model_len), "--block-size", str(settings.block_size))
 
 
 @dataclass(frozen=True)
@@ -92,3 +113,21 @@ class DeploymentPool:
     def close(self) -> None:
         for spec in list(self.clusters):
             self.release(spec)
+
+
+async def _send(address: str, requests: list[RequestSpec], concurrency: int) -> list[RequestRecord]:
+    async with LoadGenerator(address, keep_token_ids=True) as gen:
+        await gen.closed_loop([WARMUP] * 2, 2)  # untimed: channel set-up, first forwards
+        return await gen.closed_loop(requests, concurrency)
+
+
+def send_all(address: str, requests: Sequence[RequestSpec],
+             concurrency: int | None = None) -> tuple[float, list[RequestRecord]]:
+    """Two untimed warm-up requests, then ``requests`` on ``concurrency`` closed-loop clients
+    (default: all at once). Returns the seconds from the first send to the last final chunk
+    and the records (token ids kept) in request order; raises if any request failed."""
+    records = asyncio.run(_send(address, list(requests), concurrency or len(requests)))
+    failed = [r.error for r in records if r.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
+    return window_s(records), records

@@ -7,10 +7,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.benchmark.cost import Pricing
-from splitserve.benchmark.loadgen import LoadPlan
-from splitserve.benchmark.metrics import Slo
-from splitserve.benchmark.profiles import ALL_PEERS, PROFILES, WORKLOADS, Profile
+from bench.cost import Pricing
+from bench.loadgen import LoadPlan
+from bench.metrics import Slo
+from bench.profiles import ALL_PEERS, PROFILES, WORKLOADS, Profile
+from bench.workload import CACHE_DIR, ModelShape
 
 SECTIONS = ("online", "interference", "peers")
 DEFAULT_CPU_CORE_HOUR_USD = 0.045  # about what a cloud vCPU-hour costs on demand; pass your own
@@ -29,6 +30,9 @@ class CustomOnline:
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """One run's settings. ``random_model``: ``model`` is a seeded random Llama of this shape
+    that the run makes (or reuses) before anything else; None: ``model`` must exist."""
+
     profile: Profile
     out_dir: Path
     model: Path
@@ -45,6 +49,7 @@ class BenchConfig:
     custom_online: CustomOnline | None
     num_kv_blocks: int = 0
     peer_threads: tuple[int, ...] = ()
+    random_model: ModelShape | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.sections) - set(SECTIONS)
@@ -58,8 +63,9 @@ class BenchConfig:
             raise ValueError(f"--peer-threads must be >= 1, got {self.peer_threads}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"--num-kv-blocks must be >= 0, got {self.num_kv_blocks}")
-        if not (self.model / "config.json").is_file():
-            raise ValueError(f"--model {self.model} has no config.json")
+        if self.random_model is None and not (self.model / "config.json").is_file():
+            raise ValueError(f"--model {self.model} has no config.json (an installed wheel has no bundled "
+                             "model: pass --model DIR, or use --profile tiny, which makes its own)")
 
     def peer_thread_counts(self, system: str) -> tuple[int, ...]:
         """Thread counts an in-process peer or vLLM runs with (the better run counts)."""
@@ -81,10 +87,14 @@ class BenchConfig:
 
 
 def add_bench_flags(p: argparse.ArgumentParser, default_model: str) -> None:
+    """``default_model``: the full profile's model when ``--model`` is not given."""
     p.add_argument("--profile", choices=sorted(PROFILES), default="full",
-                   help="full: the README's report (<= 15 min on 2 cores); tiny: seconds (CI)")
+                   help="full: the README's report (<= 15 min on 2 cores); tiny: a minute (CI)")
     p.add_argument("--out", type=Path, default=Path("bench/results/report"), help="output folder")
-    p.add_argument("--model", default=default_model, help="model for the online load and the interference run")
+    p.add_argument("--model", default=None,
+                   help=f"model for the online load and the interference run (default: {default_model} for "
+                        f"the full profile; a seeded random Llama made in {CACHE_DIR}/ for tiny)")
+    p.set_defaults(bench_default_model=default_model)
     p.add_argument("--draft-model", default=None, help="draft for --speculative draft_model (default: models/draft)")
     p.add_argument("--gateway", default=None,
                    help="load a running deployment at this address instead of starting one (online section)")
@@ -155,6 +165,15 @@ def _pricing(args: argparse.Namespace) -> Pricing:
                    "cpu-core", args.api_price_per_m, args.api_input_price_per_m)
 
 
+def _model(args: argparse.Namespace, profile: Profile) -> tuple[Path, ModelShape | None]:
+    """``--model``, else the profile's random model (made in the cache), else the default."""
+    if args.model:
+        return Path(args.model), None
+    if profile.random_model is not None:
+        return CACHE_DIR / f"bench-{profile.name}-llama", profile.random_model
+    return Path(args.bench_default_model), None
+
+
 def build_config(args: argparse.Namespace) -> BenchConfig:
     """Raises ``ValueError`` naming the bad flag."""
     from dataclasses import replace
@@ -166,10 +185,10 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         if bad:
             raise ValueError(f"--peers: unknown system(s) {sorted(bad)}; known: {ALL_PEERS}")
         profile = replace(profile, peers=replace(profile.peers, systems=systems))
-    model = Path(args.model)
+    model, random_model = _model(args, profile)
     speculative = args.speculative or ("draft_model" if profile.name == "full" else "none")
     return BenchConfig(
-        profile=profile, out_dir=args.out, model=model,
+        profile=profile, out_dir=args.out, model=model, random_model=random_model,
         draft_model=Path(args.draft_model) if args.draft_model else model.parent / "draft",
         gateway=args.gateway, sections=tuple(s.strip() for s in args.sections.split(",") if s.strip()),
         seed=args.seed, threads=args.threads, progress=not args.no_progress, speculative=speculative,

@@ -12,6 +12,8 @@ Vocabulary (every time in seconds, measured by the load generator on one monoton
   (speculative decoding) is one gap, not several.
 * **Goodput** (DistServe): completed requests per second that met *both* SLOs, TTFT ≤
   ``ttft_s`` and TPOT ≤ ``tpot_s``. A one-token request has no TPOT and meets that SLO.
+* **Greedy match**: how many requests produced exactly a reference system's tokens
+  (:func:`match_outputs`), and where each other one first diverged.
 * **Window**: a run's duration, from the first send to the last final chunk. Every rate
   (requests/s, tokens/s, goodput) divides by it.
 
@@ -43,6 +45,7 @@ class ServerTimings:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    transfer_wire_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,3 +203,33 @@ def spec_acceptance_rate(records: Iterable[RequestRecord]) -> float | None:
             drafted += record.server.num_draft_tokens
             accepted += record.server.num_accepted_tokens
     return accepted / drafted if drafted else None
+
+
+@dataclass(frozen=True)
+class Match:
+    """How many of ``num_compared`` requests had identical greedy outputs in two systems, and
+    where each differing request first diverged (request index -> token position)."""
+
+    num_equal: int
+    num_compared: int
+    first_divergence: dict[int, int]
+
+    @property
+    def fraction(self) -> str:
+        return f"{self.num_equal}/{self.num_compared}"
+
+    def to_dict(self) -> dict:
+        return {"matches": self.fraction, "num_equal": self.num_equal, "num_compared": self.num_compared,
+                "first_divergence": {str(k): v for k, v in self.first_divergence.items()}}
+
+
+def match_outputs(candidate: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> Match:
+    """Compare the first ``min(len(candidate), len(reference))`` requests token by token."""
+    num_compared = min(len(candidate), len(reference))
+    divergence: dict[int, int] = {}
+    for i in range(num_compared):
+        ours, theirs = list(candidate[i]), list(reference[i])
+        if ours != theirs:
+            divergence[i] = next((pos for pos, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                                 min(len(ours), len(theirs)))
+    return Match(num_compared - len(divergence), num_compared, divergence)

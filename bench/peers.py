@@ -3,23 +3,23 @@ ignored, every request producing exactly ``output_len`` tokens.
 
 | key | what |
 | --- | --- |
-| ``engine`` | our in-process ``Engine.generate`` (``bench/systems.py``'s ``run_ours``) |
+| ``engine`` | our in-process ``Engine.generate`` (``bench.systems.run_ours``) |
 | ``hf_generate`` | ``transformers`` ``generate``, one request at a time, on the first ``num_hf_sequential`` requests |
 | ``hf_generate_batch`` | ``transformers`` ``generate_batch`` (its continuous batching) |
-| ``vllm_cpu`` | vLLM's CPU build in its own venv (``vllm_runner.py``), when installed |
+| ``vllm_cpu`` | vLLM's CPU build in its own venv (``bench/vllm_runner.py``), when installed |
 | ``disaggregated`` | our deployment: gateway + prefill worker + decode worker, all requests sent at once over gRPC |
 | ``colocated`` | our deployment with prefill on the decode worker |
 
-On the engine workload (``bench/throughput.py``: a seeded random 32M Llama, 64 prompts of
-16-256 random tokens, 128 output tokens) unless the profile says the bundled model. The
-in-process runners are ``bench/systems.py``'s, each in a fresh process started with
-``OMP_NUM_THREADS`` set (``inprocess_runner.py``), like every other system here.
-A deployment is timed from the first send to the last final chunk; starting it is not timed.
+On the engine workload (``bench.workload``: a seeded random 32M Llama, 64 prompts of
+16-256 random tokens, 128 output tokens) unless the profile says ``--model``. The
+in-process runners are ``bench.systems``', each in a fresh process started with
+``OMP_NUM_THREADS`` set (``bench.inprocess_runner``), like every other system here.
+A deployment is timed from the first send to the last final chunk (``bench.deployment.send_all``);
+starting it is not timed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -30,13 +30,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from splitserve.benchmark.deployment import DeploymentPool, DeploymentSpec
-from splitserve.benchmark.loadgen import LoadGenerator
-from splitserve.benchmark.profiles import PeersProfile
-from splitserve.benchmark.summary import skipped
-from splitserve.benchmark.workloads import RequestSpec
+from bench import systems, workload
+from bench.deployment import DeploymentPool, DeploymentSpec, send_all
+from bench.machine import load_window
+from bench.metrics import match_outputs
+from bench.profiles import PeersProfile
+from bench.report import skipped
+from bench.workload import RequestSpec
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
     "engine": "splitserve Engine (in-process)",
     "hf_generate": "transformers generate (batch 1)",
@@ -45,7 +46,8 @@ LABELS = {
     "disaggregated": "splitserve disaggregated (1 prefill + 1 decode)",
     "colocated": "splitserve colocated (prefill on the decode worker)",
 }
-VLLM_PYTHONS = (REPO_ROOT / ".venv-vllm" / "bin" / "python", Path("/tmp/vllm-venv/bin/python"))
+# Where `make vllm-venv` puts it (relative to the working directory), then this machine's.
+VLLM_PYTHONS = (Path(".venv-vllm") / "bin" / "python", Path("/tmp/vllm-venv/bin/python"))
 VLLM_TIMEOUT_S = 900
 
 
@@ -78,40 +80,32 @@ class PeersSetup:
     model_dir: Path
     prompts: list[list[int]]
     output_len: int
-    workload: object  # bench.workload.Workload
-    settings: object  # bench.systems.EngineSettings
+    workload: workload.Workload
+    settings: systems.EngineSettings
     description: dict
 
 
-def _bench_modules():
-    """``bench/`` is this checkout's benchmark package (not installed): import it from here."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from bench import systems, workload
-
-    return systems, workload
-
-
-def prepare(profile: PeersProfile, bundled_model: Path, seed: int) -> PeersSetup:
-    systems, workload_mod = _bench_modules()
+def prepare(profile: PeersProfile, model: Path, seed: int) -> PeersSetup:
+    """The engine workload's model and prompts, or (``engine_workload=False``) random prompts
+    for ``model``."""
     if profile.engine_workload:
-        shape = workload_mod.ModelShape()
-        model_dir = workload_mod.ensure_model(REPO_ROOT / ".cache" / "bench-llama-32m", shape, seed)
-        name = "engine benchmark workload (bench/throughput.py): seeded random-weight Llama, about 32M parameters"
+        shape = workload.ModelShape()
+        model_dir = workload.ensure_model(workload.ENGINE_MODEL_DIR, shape, seed)
+        name = "engine benchmark workload (bench.workload): seeded random-weight Llama, about 32M parameters"
     else:
-        config = json.loads((bundled_model / "config.json").read_text())
-        shape = workload_mod.ModelShape(vocab_size=config["vocab_size"],
-                                        max_position_embeddings=config["max_position_embeddings"])
-        model_dir = bundled_model
-        name = "bundled model, random token-id prompts"
-    wl = workload_mod.Workload(num_requests=profile.num_requests, output_len=profile.output_len,
-                               min_prompt_len=profile.min_prompt, max_prompt_len=profile.max_prompt,
-                               seed=seed, model=shape)
-    prompts = workload_mod.make_prompts(wl)
+        config = json.loads((model / "config.json").read_text())
+        shape = workload.ModelShape(vocab_size=config["vocab_size"],
+                                    max_position_embeddings=config["max_position_embeddings"])
+        model_dir = model.resolve()
+        name = f"model {model_dir.name}, random token-id prompts"
+    wl = workload.Workload(num_requests=profile.num_requests, output_len=profile.output_len,
+                           min_prompt_len=profile.min_prompt, max_prompt_len=profile.max_prompt,
+                           seed=seed, model=shape)
+    prompts = workload.make_prompts(wl)
     settings = systems.EngineSettings.for_workload(wl)
     fields = {k: v for k, v in wl.to_dict().items() if k != "model" or profile.engine_workload}
     description = {"name": name, "model_dir": str(model_dir), **fields,
-                   "num_parameters": workload_mod.count_parameters(model_dir),
+                   "num_parameters": workload.count_parameters(model_dir),
                    "prompt_lens": [len(p) for p in prompts], "decoding": "greedy, ignore_eos",
                    "engine_settings": vars(settings)}
     return PeersSetup(model_dir, prompts, wl.output_len, wl, settings, description)
@@ -131,11 +125,10 @@ def run_in_process(system: str, setup: PeersSetup, threads: int, num_hf_sequenti
     with tempfile.TemporaryDirectory(prefix="splitserve-peer-") as tmp:
         setup_path, out_path = Path(tmp) / "setup.json", Path(tmp) / "result.json"
         write_setup(setup, setup_path, threads, num_hf_sequential)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, "-m", "splitserve.benchmark.inprocess_runner", system, str(setup_path), str(out_path)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        cmd = [sys.executable, "-m", "bench.inprocess_runner", system, str(setup_path), str(out_path)]
         with open(log_path, "wb") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         if not out_path.is_file():
             return PeerResult(system, len(setup.prompts),
                               error=f"runner exited with {proc.returncode} and no result (log: {log_path})")
@@ -162,7 +155,9 @@ def run_vllm(setup: PeersSetup, python: str | None, threads: int, log_path: Path
     with tempfile.TemporaryDirectory(prefix="splitserve-vllm-") as tmp:
         prompts_path, out_path = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         prompts_path.write_text(json.dumps(setup.prompts))
-        cmd = [str(exe), str(Path(__file__).with_name("vllm_runner.py")), "--model", str(setup.model_dir),
+        # -I: the runner's folder (this package) stays off sys.path, so none of its modules
+        # can shadow one of vLLM's imports.
+        cmd = [str(exe), "-I", str(Path(__file__).with_name("vllm_runner.py")), "--model", str(setup.model_dir),
                "--prompts", str(prompts_path), "--output-len", str(setup.output_len), "--out", str(out_path),
                "--threads", str(threads), "--max-model-len", str(setup.settings.max_model_len)]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
@@ -186,23 +181,11 @@ def run_vllm(setup: PeersSetup, python: str | None, threads: int, log_path: Path
                       details={**details, "python": str(exe), "log": str(log_path)})
 
 
-async def _send_all(address: str, requests: list[RequestSpec]) -> tuple[float, list]:
-    async with LoadGenerator(address, keep_token_ids=True) as gen:
-        await gen.closed_loop([RequestSpec((5,) * 16, 8, "warmup")] * 2, 2)
-        records = await gen.closed_loop(requests, len(requests))
-    failed = [r.error for r in records if r.error is not None]
-    if failed:
-        raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
-    seconds = max(r.end_s for r in records) - min(r.send_s for r in records)
-    return seconds, records
-
-
 def run_deployment(spec: DeploymentSpec, pool: DeploymentPool, setup: PeersSetup) -> PeerResult:
     """All prompts sent at once to a deployment of ``spec`` (started by the pool if needed)."""
     requests = [RequestSpec(tuple(p), setup.output_len, "peer") for p in setup.prompts]
     try:
-        address = pool.address(spec)
-        seconds, records = asyncio.run(_send_all(address, requests))
+        seconds, records = send_all(pool.address(spec), requests)
     except Exception as exc:  # a benchmark records the failure and goes on
         return PeerResult(spec.mode, len(requests), error=f"{type(exc).__name__}: {exc}")
     return PeerResult(spec.mode, len(requests), seconds=seconds,
@@ -214,8 +197,7 @@ def greedy_match(candidate: PeerResult, reference: PeerResult) -> str | None:
     """``n/N``: requests whose greedy output equals the reference's (over the shorter run)."""
     if candidate.output_tokens_per_s is None or reference.output_tokens_per_s is None:
         return None
-    pairs = list(zip(candidate.output_ids, reference.output_ids))
-    return f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    return match_outputs(candidate.output_ids, reference.output_ids).fraction
 
 
 def peer_row(result: PeerResult, engine_tps: float | None, reference: PeerResult | None) -> dict:
@@ -274,14 +256,13 @@ def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
     results: dict[str, PeerResult] = {}
     for system in profile.systems:
         progress(f"peers: {LABELS.get(system, system)}")
-        start, load_before = time.perf_counter(), os.getloadavg()[0]
-        try:
-            result = _run_system(system, setup, profile, pool, deployment, thread_counts(system), vllm_python,
-                                 log_dir)
-        except Exception as exc:  # one system's failure is its row, not the section's end
-            result = PeerResult(system, len(setup.prompts), error=f"{type(exc).__name__}: {exc}")
-        # The CPUs may be shared: the load around each system says how far to trust it.
-        load = {"before": load_before, "after": os.getloadavg()[0]}
+        start = time.perf_counter()
+        with load_window() as load:
+            try:
+                result = _run_system(system, setup, profile, pool, deployment, thread_counts(system), vllm_python,
+                                     log_dir)
+            except Exception as exc:  # one system's failure is its row, not the section's end
+                result = PeerResult(system, len(setup.prompts), error=f"{type(exc).__name__}: {exc}")
         results[system] = replace(result, details={**(result.details or {}), "load_average_1m": load})
         progress(f"peers: {system} {'done' if result.error is None else 'FAILED'} in "
                  f"{time.perf_counter() - start:.0f} s (load average {load['before']:.2f} -> {load['after']:.2f})")

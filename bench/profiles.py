@@ -1,15 +1,18 @@
 """What a benchmark run does: the ``full`` profile (the README's report, ≤ 15 min on two
-cores) and the ``tiny`` one (CI: seconds). Frozen dataclasses, built once from the flags.
+cores) and the ``tiny`` one (CI: about a minute). Frozen dataclasses, built once from the flags.
 
 Lengths are in tokens and sized for the bundled model (512 positions): a prompt plus its
-output always fits.
+output always fits. The full profile runs on ``--model`` (the bundled model by default); the
+tiny one needs no model files: unless ``--model`` is given, it makes a small seeded
+random-weight Llama (``TINY_MODEL``), so it runs from an installed wheel anywhere. That model
+has no tokenizer, so the tiny sweep uses the synthetic workload, not code completion.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.benchmark.workloads import LengthDist
+from bench.workload import LengthDist, ModelShape
 
 WORKLOADS = ("synthetic", "code", "long_mix")
 
@@ -62,8 +65,8 @@ class OnlineProfile:
 
 @dataclass(frozen=True)
 class PeersProfile:
-    """The offline peers on the engine benchmark's workload (``bench/throughput.py``).
-    ``engine_workload=False`` runs them on the bundled model instead (the tiny profile)."""
+    """The offline peers on the engine benchmark's workload (``bench.workload.Workload``).
+    ``engine_workload=False`` runs them on the run's model instead (the tiny profile)."""
 
     systems: tuple[str, ...]
     engine_workload: bool = True
@@ -98,10 +101,13 @@ class InterferenceProfile:
 
 @dataclass(frozen=True)
 class Profile:
+    """``random_model``: the model when ``--model`` is not given (None: the bundled one)."""
+
     name: str
     online: OnlineProfile
     peers: PeersProfile
     interference: InterferenceProfile
+    random_model: ModelShape | None = None
 
 
 ALL_PEERS = ("engine", "hf_generate", "hf_generate_batch", "vllm_cpu", "disaggregated", "colocated")
@@ -119,6 +125,12 @@ FULL = Profile(
     interference=InterferenceProfile(),
 )
 
+# About 0.6M parameters; a wider init than transformers' 0.02 keeps the top greedy logits far
+# apart, so batching's last-bit rounding differences cannot flip a token between systems.
+TINY_MODEL = ModelShape(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=256, vocab_size=1024, max_position_embeddings=512,
+                        initializer_range=0.15)
+
 TINY = Profile(
     name="tiny",
     online=OnlineProfile(
@@ -128,13 +140,14 @@ TINY = Profile(
             code_prompt=LengthDist(32, 96), code_output=LengthDist(8, 8),
             short_prompt=LengthDist(8, 24), long_prompt=LengthDist(200, 240),
             mix_output=LengthDist(4, 8), long_fraction=0.3),
-        capacity_requests=8, capacity_concurrency=4, sweep_fractions=(0.5, 1.0),
+        capacity_requests=8, capacity_concurrency=4, sweep_workload="synthetic", sweep_fractions=(0.5, 1.0),
         sweep_requests=6, mix_requests=8, mix_concurrency=4),
     peers=PeersProfile(systems=FAST_PEERS, engine_workload=False, num_requests=6, output_len=8,
                        min_prompt=8, max_prompt=48, num_hf_sequential=2, best_of_threads=()),
     interference=InterferenceProfile(decode_clients=2, decode_output=24, long_prompt=LengthDist(200, 240),
                                      long_output=2, long_rate_rps=4.0, num_long=4, baseline_s=0.5,
                                      colocated_one_thread=False),
+    random_model=TINY_MODEL,
 )
 
 PROFILES = {"full": FULL, "tiny": TINY}

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from splitserve.benchmark import workloads
-from splitserve.benchmark.loadgen import LoadGenerator, LoadPlan
-from splitserve.benchmark.metrics import RequestRecord, Slo
-from splitserve.benchmark.monitor import KvMonitor, KvSample
-from splitserve.benchmark.profiles import OnlineProfile, WorkloadShapes
-from splitserve.benchmark.summary import errors, run_summary
-from splitserve.benchmark.workloads import RequestSpec
+from bench import workload
+from bench.loadgen import LoadGenerator, LoadPlan
+from bench.machine import load_window
+from bench.metrics import RequestRecord, Slo
+from bench.monitor import KvMonitor, KvSample
+from bench.profiles import OnlineProfile, WorkloadShapes
+from bench.summary import errors, run_summary
+from bench.workload import RequestSpec
 
 
 @dataclass(frozen=True)
@@ -46,16 +46,14 @@ def make_workload(name: str, num_requests: int, seed: int, shapes: WorkloadShape
         raise ValueError(f"workload lengths reach {shapes.max_len()} tokens, over the model's "
                          f"{model.max_model_len}")
     if name == "synthetic":
-        reqs = workloads.synthetic(num_requests, seed, model.vocab_size, shapes.synthetic_prompt,
-                                   shapes.synthetic_output)
+        reqs = workload.synthetic(num_requests, seed, model.vocab_size, shapes.synthetic_prompt,
+                                  shapes.synthetic_output)
         return reqs, "random token ids"
     if name == "code":
-        files, source = workloads.code_source_files(model.path)
-        docs = workloads.tokenize_files(model.path, files)
-        return workloads.code_completion(num_requests, seed, docs, shapes.code_prompt, shapes.code_output), source
+        return workload.code_prompts(model.path, num_requests, seed, shapes.code_prompt, shapes.code_output)
     if name == "long_mix":
-        reqs = workloads.long_mix(num_requests, seed, model.vocab_size, shapes.short_prompt,
-                                  shapes.long_prompt, shapes.mix_output, shapes.long_fraction)
+        reqs = workload.long_mix(num_requests, seed, model.vocab_size, shapes.short_prompt,
+                                 shapes.long_prompt, shapes.mix_output, shapes.long_fraction)
         return reqs, f"random token ids, {shapes.long_fraction:.0%} long prompts"
     raise ValueError(f"unknown workload {name!r}")
 
@@ -108,14 +106,14 @@ def measure(address: str, name: str, workload: str, requests: Sequence[RequestSp
             slo: Slo, progress: bool, kv_interval_s: float = 0.1) -> tuple[dict, list[RequestRecord]]:
     """Run one request set; return its report entry and the records (for the plots)."""
     bar = ProgressBar(len(requests), f"{name} ({plan.describe()})", progress)
-    load_before = os.getloadavg()[0]
     try:
-        records, samples = asyncio.run(_measure(address, requests, plan, bar, kv_interval_s))
+        with load_window() as load:
+            records, samples = asyncio.run(_measure(address, requests, plan, bar, kv_interval_s))
     finally:
         bar.close()
     t0 = min(r.send_s for r in records)
     entry = {"name": name, "workload": workload, "plan": plan.to_dict(),
-             "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
+             "load_average_1m": load,
              **run_summary(records, slo, samples), "errors": errors(records),
              "kv_timeline": [s.to_dict(t0) for s in samples], "requests": request_rows(records, t0)}
     return entry, records

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitserve.benchmark.report import is_skipped
+from bench.report import is_skipped
 
 
 def _pyplot():

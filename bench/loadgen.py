@@ -8,8 +8,8 @@ Two ways to send (both seeded, both in one event loop, timestamps taken client-s
 * **open loop**: requests arrive as a Poisson process at ``rate_rps`` (exponential gaps from
   ``random.Random(seed)``), whether or not earlier ones finished.
 
-Every request is greedy and ignores EOS (see ``workloads``). A failed stream is recorded with
-its gRPC status, never raised: the run goes on and the report counts it.
+Every request is greedy and ignores EOS (see ``bench.workload``). A failed stream is
+recorded with its gRPC status, never raised: the run goes on and the report counts it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from splitserve.benchmark.metrics import RequestRecord, ServerTimings
-from splitserve.benchmark.workloads import RequestSpec
+from bench.metrics import RequestRecord, ServerTimings
+from bench.workload import RequestSpec
 
 OnDone = Callable[[RequestRecord], None]
 

@@ -1,1 +1,0 @@
-"""splitserve bench: load generator, peers, interference experiment and report (``splitserve bench``)."""

@@ -74,10 +74,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         num_prior = request.num_prior_output_tokens
         if num_prior >= len(prompt):
             raise ValueError(f"num_prior_output_tokens={num_prior} must be below the prompt's length {len(prompt)}")
-        if rid in self.queues:
-            raise ValueError(f"request_id {rid} is already being decoded here")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.queues[rid] = queue
+        queue: asyncio.Queue[RequestOutput | BaseException] = await self.open_stream(rid, "decoded")
         finished = False
         start = time.monotonic()
         try:
@@ -93,10 +90,10 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
                 finished = response.WhichOneof("event") == "finished"
                 yield response
         finally:
-            self.queues.pop(rid, None)
             if not finished:
                 log.info("decode.stopped_early", request_id=rid)
-                self.engine_thread.call(lambda e: self.reservations.forget(e, rid, "decode stream ended"))
+            self.close_stream(rid, None if finished else
+                              lambda e: self.reservations.forget(e, rid, "decode stream ended"))
 
     async def _stream(self, request: decode_pb2.DecodeRequest, queue: asyncio.Queue[RequestOutput | BaseException],
                       start: float) -> AsyncIterator[decode_pb2.DecodeResponse]:

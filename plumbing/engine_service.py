@@ -40,6 +40,8 @@ class EngineServicer:
         self.metrics = WorkerMetrics.create(self.role_name)
         self.loop = asyncio.get_running_loop()
         self.queues: dict[str, asyncio.Queue[Any]] = {}
+        # Request id -> its current stream, done once the stream ended and its cleanup ran.
+        self._streams: dict[str, asyncio.Future[None]] = {}
         self.engine_thread = EngineThread(engine, self._on_outputs_threadsafe, on_tick=self.on_tick,
                                on_failure=self._on_engine_failure)
         self.registration: RegistrationClient | None = None
@@ -66,6 +68,43 @@ class EngineServicer:
                 self.registration.state = common_pb2.WORKER_STATE_DRAINING
 
         self.loop.call_soon_threadsafe(fail_all)
+
+    # -- one stream per request id at a time ------------------------------------------
+    async def open_stream(self, rid: str, what: str, wait_s: float = 2.0) -> asyncio.Queue[Any]:
+        """The output queue of a new stream for ``rid``. An earlier stream for the same id (a
+        retry reached this worker while the previous attempt was being torn down) is waited
+        for, up to ``wait_s``, until it ended and the engine thread ran its cleanup: outputs
+        the engine made for that attempt reach the loop before the cleanup's completion does,
+        so they find no queue and are dropped, never delivered to this stream."""
+        previous = self._streams.get(rid)
+        if previous is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(previous), wait_s)
+            except TimeoutError:
+                raise ValueError(f"request_id {rid} is already being {what} here") from None
+            if rid in self._streams:  # another stream for the id got here first
+                raise ValueError(f"request_id {rid} is already being {what} here")
+        self._streams[rid] = self.loop.create_future()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queues[rid] = queue
+        return queue
+
+    def close_stream(self, rid: str, cleanup: Callable[[Engine], Any] | None) -> None:
+        """End the stream for ``rid``: its outputs stop being delivered now; ``cleanup`` (free
+        what the request holds) runs on the engine thread, and the id is free again after it."""
+        self.queues.pop(rid, None)
+        done = self._streams.get(rid)
+
+        def settle() -> None:
+            if done is not None and self._streams.get(rid) is done:
+                del self._streams[rid]
+            if done is not None and not done.done():
+                done.set_result(None)
+
+        if cleanup is None:
+            settle()
+            return
+        self.engine_thread.call(cleanup).add_done_callback(lambda _: self.loop.call_soon_threadsafe(settle))
 
     def push_threadsafe(self, request_id: str, item: Any) -> None:
         """Hand ``item`` (an output or an exception) to a request's stream from any thread."""

@@ -61,9 +61,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             raise ValueError("target.incarnation must be the decode worker's (from its Reservation)")
         if len(request.target.transfer_secret) != TRANSFER_SECRET_BYTES:
             raise ValueError(f"target.transfer_secret must be {TRANSFER_SECRET_BYTES} bytes (from the Reservation)")
-        if rid in self.queues:
-            raise ValueError(f"request_id {rid} is already being prefilled here")
-        self.queues[rid] = asyncio.Queue()
+        await self.open_stream(rid, "prefilled")
         try:
             out, timings = await self._first_token(rid, prompt, params, num_prior)
             first_logprob = None
@@ -79,8 +77,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             self.metrics.transfers.labels(role=self.role_name, outcome="failed").inc()
             raise
         finally:
-            self.queues.pop(rid, None)
-            self.engine_thread.call(lambda e: self._free(e, rid))
+            self.close_stream(rid, lambda e: self._free(e, rid))
 
     async def _first_token(
         self, rid: str, prompt: list[int], params: SamplingParams, num_prior: int,

@@ -1,9 +1,13 @@
 """The decode side of the KV channels: join a pair's channel, post receives in announcement
 order, write arriving pages into their reservation, report transfers.
 
-The prefill worker is rank 0 of each channel; this worker joins as rank 1 (``open_channel``).
-``announce`` posts the receive for the next message on a channel before it replies, and only
-a successful reply makes the prefill worker post its send, so both sides stay in order.
+The prefill worker is rank 0 of each channel; this worker joins as rank 1 (``open_channel``,
+guarded as ``kv_channels.py`` says). ``announce`` checks that the header addresses this
+incarnation, on a channel the sender's incarnation opened, for a reservation whose secret it
+presents, then posts the receive, framed with the transfer's tag, for the next message on
+that channel before it replies; only a successful reply makes the prefill worker post its
+send, so both sides stay in order, and a send made for any other transfer fails the receive
+(and breaks the channel) instead of filling this reservation.
 The transport only touches the staging buffer; the receiver thread then writes the pages
 into the reservation under the record's lock (which freeing also takes) and queues the
 admission on the engine thread.
@@ -12,7 +16,6 @@ admission on the engine thread.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Callable
 
@@ -20,10 +23,13 @@ import grpc
 import structlog
 import torch
 
+from decode_worker import kv_channels
+from decode_worker.kv_channels import ChannelTable
 from decode_worker.reservations import ReservationTable, TransferRecord
 from engine.engine import Engine
 from engine.kv_layout import KVLayout
 from plumbing import convert
+from plumbing.blocking import DaemonCalls
 from plumbing.metrics import WorkerMetrics
 from plumbing.rpc import ServiceError
 from plumbing.transport import KVChannel, TransferState
@@ -31,6 +37,10 @@ from plumbing.transport.transfer import InvalidTransition
 from splitserve.v1 import kv_transfer_pb2
 
 log = structlog.get_logger()
+MAX_JOINS_RUNNING = 2  # channel joins at once (each a daemon thread, bounded by the capped timeout)
+MAX_JOINS_QUEUED = 4  # more waiting than this: RESOURCE_EXHAUSTED at once
+# One answer for an unknown transfer id and a wrong secret: nothing tells which ids exist.
+_NO_SUCH_TRANSFER = "transfer_id and transfer_secret name no live transfer here"
 
 STATE_TO_PROTO = {
     TransferState.PENDING: kv_transfer_pb2.TRANSFER_STATE_PENDING,
@@ -45,66 +55,61 @@ class KVInbox:
     """Channels joined by this worker and the receives posted on them."""
 
     def __init__(self, engine: Engine, table: ReservationTable, device: str, metrics: WorkerMetrics,
-                 on_engine_thread: Callable[[Callable[[Engine], None]], object]) -> None:
+                 on_engine_thread: Callable[[Callable[[Engine], None]], object], incarnation: int,
+                 max_timeout_s: float) -> None:
         self._engine = engine  # unpack_kv only (thread-safe under the record lock)
         self._table = table
         self._device = device
         self._metrics = metrics
         self._on_engine_thread = on_engine_thread
+        self._incarnation = incarnation
+        self._max_timeout_s = max_timeout_s
         self.layout: KVLayout = engine.kv_layout
-        self.channels: dict[int, KVChannel] = {}
-        self._channel_ids = itertools.count(1)
+        self.channels = ChannelTable()
+        self._joins: DaemonCalls[KVChannel] = DaemonCalls(
+            "kv_channel_join", MAX_JOINS_RUNNING, MAX_JOINS_QUEUED, discard=lambda channel: channel.close())
 
-    async def open_channel(self, request: kv_transfer_pb2.KVChannelHandshake) -> kv_transfer_pb2.KVChannelAccept:
+    async def open_channel(self, request: kv_transfer_pb2.KVChannelHandshake,
+                           caller: str | None) -> kv_transfer_pb2.KVChannelAccept:
+        """Join the channel the handshake describes, dialing only the caller's own address."""
         try:
             self.layout.check_compatible(convert.kv_layout_from_proto(request.kv_layout))
         except ValueError as exc:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"kv_layout: {exc}") from None
-        timeout_s = max(request.timeout_ms, 1) / 1000.0
-        channel = await asyncio.get_running_loop().run_in_executor(None, self._join, request, timeout_s)
-        channel_id = next(self._channel_ids)
-        self.channels[channel_id] = channel
+        if not request.prefill_incarnation:
+            raise ValueError("prefill_incarnation must be set (the prefill worker's incarnation)")
+        timeout_s = min(max(request.timeout_ms, 1) / 1000.0, self._max_timeout_s)
+        channel = await self._joins.run(lambda: kv_channels.join(request, caller, self._device, timeout_s))
+        channel_id = self.channels.add(channel, request.prefill_incarnation)
         log.info("kv.channel_open", channel_id=channel_id, transport=channel.kind.value,
-                 prefill_worker_id=request.prefill_worker_id)
-        return kv_transfer_pb2.KVChannelAccept(channel_id=channel_id)
-
-    def _join(self, request: kv_transfer_pb2.KVChannelHandshake, timeout_s: float) -> KVChannel:
-        if request.transport == kv_transfer_pb2.TRANSPORT_KIND_GLOO:
-            from plumbing.transport.gloo import connect_gloo
-
-            return connect_gloo(request.gloo.host, request.gloo.port, timeout_s=timeout_s)
-        if request.transport == kv_transfer_pb2.TRANSPORT_KIND_NCCL:
-            from plumbing.transport.nccl import NcclChannel
-
-            if len(request.nccl_unique_id) != 128:
-                raise ValueError(f"nccl_unique_id must be 128 bytes, got {len(request.nccl_unique_id)}")
-            return NcclChannel(request.nccl_unique_id, rank=1, device=torch.device(self._device),
-                               timeout_s=timeout_s)
-        raise ValueError(f"transport: unknown transport kind {request.transport}")
+                 prefill_worker_id=request.prefill_worker_id, prefill_incarnation=request.prefill_incarnation)
+        return kv_transfer_pb2.KVChannelAccept(channel_id=channel_id, decode_incarnation=self._incarnation)
 
     def announce(self, header: kv_transfer_pb2.TransferHeader) -> kv_transfer_pb2.TransferAck:
-        """Post the receive for the next message on the header's channel."""
-        channel = self.channels.get(header.channel_id)
-        if channel is None or channel.broken:
-            self.channels.pop(header.channel_id, None)
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"channel_id {header.channel_id} is not open here")
-        record = self._table.pending.get(header.transfer_id)
+        """Check the header, then post the receive for the next message on its channel."""
+        if header.decode_incarnation != self._incarnation:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "decode_incarnation: the decode worker addressed is not this process")
+        channel = self.channels.get(header.channel_id, header.prefill_incarnation)
+        if channel is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "channel_id is not open here for this prefill_incarnation")
+        record = self._table.lookup(header.transfer_id, header.transfer_secret)
         if record is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"transfer_id {header.transfer_id} has no live reservation")
-        if header.num_blocks != len(record.block_ids) or header.num_prompt_tokens != len(record.prompt_token_ids):
-            raise ValueError(
-                f"num_blocks/num_prompt_tokens {header.num_blocks}/{header.num_prompt_tokens} do not match "
-                f"the reservation {len(record.block_ids)}/{len(record.prompt_token_ids)}"
-            )
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, _NO_SUCH_TRANSFER)
+        if (str(header.request_id) != record.request_id or header.num_blocks != len(record.block_ids)
+                or header.num_prompt_tokens != len(record.prompt_token_ids)):
+            raise ValueError("request_id, num_blocks and num_prompt_tokens must be the reservation's")
         try:
             record.transfer.advance(TransferState.BOOTSTRAPPING)
         except InvalidTransition:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"transfer {header.transfer_id} is {record.transfer.state.name}") from None
+                               "transfer_id was announced already or has ended") from None
         record.header = header
+        record.channel_id = header.channel_id
         staging = torch.empty(self.layout.packed_shape(header.num_blocks), dtype=getattr(torch, self.layout.dtype))
         record.recv_started = time.monotonic()
-        future = channel.recv(staging)
+        future = channel.recv(staging, tag=record.tag)
         record.transfer.advance(TransferState.TRANSFERRING)
         future.add_done_callback(lambda f: self._on_pages(record, staging, f.exception()))
         return kv_transfer_pb2.TransferAck()
@@ -133,10 +138,10 @@ class KVInbox:
 
     async def await_transfer(self, request: kv_transfer_pb2.AwaitTransferRequest) -> kv_transfer_pb2.TransferStatus:
         """Wait (up to the request's timeout) until the transfer is DONE or FAILED."""
-        record = self._table.recent.get(request.transfer_id)
+        record = self._table.lookup(request.transfer_id, request.transfer_secret, finished_too=True)
         if record is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"transfer_id {request.transfer_id} is unknown")
-        timeout = max(request.timeout_ms, 1) / 1000.0 if request.timeout_ms else None
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, _NO_SUCH_TRANSFER)
+        timeout = min(max(request.timeout_ms, 1) / 1000.0, self._max_timeout_s)
         try:
             await asyncio.wait_for(asyncio.shield(record.done), timeout)
         except asyncio.TimeoutError:
@@ -145,6 +150,4 @@ class KVInbox:
                                               error=record.transfer.error or "")
 
     def close(self) -> None:
-        for channel in self.channels.values():
-            channel.close()
-        self.channels.clear()
+        self.channels.close()

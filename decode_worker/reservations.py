@@ -9,6 +9,11 @@ and ``done``, which the receiver thread and the event loop use as documented::
     granted ──▶ pending[transfer_id] ──pages written, admit()──▶ the engine's running batch
                      │ lease expires / stream ends / receive fails ──▶ drop(): blocks freed
                      └──── recent[transfer_id] keeps the record for AwaitTransfer (bounded)
+
+A grant mints the transfer id and its secret (``plumbing.identity``); ``lookup`` finds a
+record only for the right (id, secret) pair, and the pages' frames must carry the record's
+``tag``. A request id gets at most ``max_per_request`` reservations here (its lease cannot
+be renewed without end by asking again); a reservation is exactly the prompt's blocks.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ import structlog
 
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from plumbing.identity import frame_tag, mint_id, mint_secret, secrets_match
 from plumbing.rpc import ServiceError
 from plumbing.transport import Transfer, TransferState
 from splitserve.v1 import kv_transfer_pb2
 
 log = structlog.get_logger()
-MAX_RECENT = 4096  # finished records kept for AwaitTransfer
+MAX_RECENT = 4096  # finished records kept for AwaitTransfer (and request ids' grant counts)
 
 
 @dataclass(eq=False)
@@ -39,16 +45,23 @@ class TransferRecord:
 
     request_id: str
     transfer: Transfer
+    secret: bytes = field(repr=False)
     block_ids: list[int]
     prompt_token_ids: list[int]
     params: SamplingParams
     lease_deadline: float
     done: asyncio.Future[TransferState] = field(repr=False)  # settled on DONE or FAILED
     header: kv_transfer_pb2.TransferHeader | None = None
+    channel_id: int = 0  # the channel the transfer was announced on
     recv_started: float = 0.0
     # Held while pages are written into block_ids (receiver thread) and while the blocks are
     # freed (engine thread): a lease can never free blocks that are being written.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def tag(self) -> int:
+        """The frame tag the pages of this transfer must arrive with."""
+        return frame_tag(self.transfer.transfer_id, self.secret)
 
 
 @dataclass(eq=False)
@@ -66,10 +79,11 @@ class _Waiter:
 class ReservationTable:
     """The decode worker's reservations (engine-thread owned)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, new_transfer_id: Callable[[], int],
-                 push: Callable[[str, BaseException], None], on_failed: Callable[[], None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, push: Callable[[str, BaseException], None],
+                 on_failed: Callable[[], None], max_per_request: int) -> None:
         self._loop = loop
-        self._new_transfer_id = new_transfer_id
+        self._max_per_request = max_per_request
+        self._num_granted: OrderedDict[str, int] = OrderedDict()  # request id -> grants (bounded)
         self._push = push  # hands an error to a request's Decode stream (any thread)
         self._on_failed = on_failed  # counts a failed transfer
         self.pending: dict[int, TransferRecord] = {}  # transfer_id -> waiting for pages
@@ -81,7 +95,12 @@ class ReservationTable:
     def request(self, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
                 lease_s: float, wait_s: float) -> asyncio.Future[TransferRecord | None]:
         """Reserve blocks for ``prompt`` now, or queue behind earlier waiters until blocks
-        free up; the future gets the record, or None once ``wait_s`` passed."""
+        free up; the future gets the record, or None once ``wait_s`` passed (or ValueError
+        when the prompt could never be reserved here)."""
+        if self._num_granted.get(rid, 0) >= self._max_per_request:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"request_id {rid} already had {self._max_per_request} reservations here "
+                               "(max_reservations_per_request)")
         waiter = _Waiter(rid, prompt, params, lease_s, time.monotonic() + wait_s,
                          self._loop.create_future())
         self._waiters.append(waiter)
@@ -97,7 +116,12 @@ class ReservationTable:
             self._settle(waiter.granted, None)
         while self._waiters:
             waiter = self._waiters[0]
-            block_ids = engine.reserve_kv(waiter.request_id, len(waiter.prompt_token_ids))
+            try:
+                block_ids = engine.reserve_kv(waiter.request_id, len(waiter.prompt_token_ids))
+            except ValueError as exc:  # could never fit (or the id is in use): refuse this one
+                self._waiters.popleft()
+                self._settle(waiter.granted, exc)
+                continue
             if block_ids is None:
                 return  # first come, first served: later waiters do not jump the queue
             self._waiters.popleft()
@@ -105,16 +129,27 @@ class ReservationTable:
 
     def _grant(self, waiter: _Waiter, block_ids: list[int]) -> TransferRecord:
         record = TransferRecord(
-            waiter.request_id, Transfer(self._new_transfer_id()), block_ids, waiter.prompt_token_ids,
+            waiter.request_id, Transfer(mint_id()), mint_secret(), block_ids, waiter.prompt_token_ids,
             waiter.params, lease_deadline=time.monotonic() + waiter.lease_s,
             done=self._loop.create_future(),
         )
         tid = record.transfer.transfer_id
+        self._num_granted[waiter.request_id] = self._num_granted.pop(waiter.request_id, 0) + 1
+        while len(self._num_granted) > MAX_RECENT:
+            self._num_granted.popitem(last=False)
         self.pending[tid] = record
         self.recent[tid] = record
         while len(self.recent) > MAX_RECENT:
             self.recent.popitem(last=False)
         self.num_blocks += len(block_ids)
+        return record
+
+    def lookup(self, transfer_id: int, secret: bytes, finished_too: bool = False) -> TransferRecord | None:
+        """The record named by ``transfer_id`` if ``secret`` is its secret, else None (the same
+        answer for an unknown id and a wrong secret). Any thread (reads one dict entry)."""
+        record = (self.recent if finished_too else self.pending).get(transfer_id)
+        if record is None or not secrets_match(secret, record.secret):
+            return None
         return record
 
     # -- freeing ---------------------------------------------------------------------------
@@ -183,9 +218,15 @@ class ReservationTable:
         self._settle(record.done, record.transfer.state)
 
     def _settle(self, future: asyncio.Future, value: object) -> None:
-        """Set ``future``'s result on the event loop, unless it is done (any thread)."""
+        """Set ``future``'s result (an exception: its exception) on the event loop, unless
+        it is done (any thread)."""
         def settle() -> None:
-            if not future.done():
+            if future.done():
+                return
+            if isinstance(value, BaseException):
+                future.set_exception(value)
+                future.exception()  # retrieved: an awaiter still gets it, nobody else logs it
+            else:
                 future.set_result(value)
 
         self._loop.call_soon_threadsafe(settle)

@@ -17,7 +17,6 @@ channels and receives are ``kv_inbox.py``'s.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator
 
@@ -32,7 +31,7 @@ from engine.sampling_params import SamplingParams
 from plumbing import convert
 from plumbing.config import WorkerConfig
 from plumbing.engine_service import EngineServicer
-from plumbing.rpc import ServiceError
+from plumbing.rpc import ServiceError, peer_host
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2
 
 log = structlog.get_logger()
@@ -45,13 +44,13 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
 
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         super().__init__(config, engine)
-        transfer_ids = itertools.count(1)
         self.reservations = ReservationTable(
-            self.loop, lambda: next(transfer_ids), self.push_threadsafe,
+            self.loop, self.push_threadsafe,
             lambda: self.metrics.transfers.labels(role=self.role_name, outcome="failed").inc(),
+            config.max_reservations_per_request,
         )
         self.inbox = KVInbox(engine, self.reservations, config.engine.device, self.metrics,
-                             self.engine_thread.call)
+                             self.engine_thread.call, self.incarnation, config.transfer_timeout_s)
 
     def blocks_in_transfer(self) -> int:
         return self.reservations.num_blocks
@@ -84,7 +83,8 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
             else:
                 record = await self._reserve(rid, prompt, params, request)
                 yield decode_pb2.DecodeResponse(reserved=decode_pb2.Reservation(
-                    transfer_id=record.transfer.transfer_id, num_blocks=len(record.block_ids)))
+                    transfer_id=record.transfer.transfer_id, num_blocks=len(record.block_ids),
+                    transfer_secret=record.secret, incarnation=self.incarnation))
             async for response in self._stream(request, queue, start):
                 finished = response.WhichOneof("event") == "finished"
                 yield response
@@ -153,7 +153,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
     async def OpenKVChannel(
         self, request: kv_transfer_pb2.KVChannelHandshake, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.KVChannelAccept:
-        return await self.inbox.open_channel(request)
+        return await self.inbox.open_channel(request, peer_host(context))
 
     async def AnnounceTransfer(
         self, header: kv_transfer_pb2.TransferHeader, context: grpc.aio.ServicerContext

@@ -99,6 +99,7 @@ async def _remote_prefill(
             target=prefill_pb2.DecodeTarget(
                 worker_id=decode.worker_id, address=decode.address,
                 transfer_id=reserved.reserved.transfer_id, num_blocks=reserved.reserved.num_blocks,
+                incarnation=reserved.reserved.incarnation, transfer_secret=reserved.reserved.transfer_secret,
             ),
         ),
         metadata=req.metadata, timeout=req.time_remaining(),
@@ -107,8 +108,7 @@ async def _remote_prefill(
         result, pending = await _await_prefill(task, prefill, call, decode)
     finally:
         prefill.num_routed_prefill_tokens -= prompt_len
-        if not task.done():
-            task.cancel()
+        _discard(task)
     req.timings = common_pb2.PhaseTimings()
     req.timings.CopyFrom(result.timings)
     req.timings.queue_us = queue_us
@@ -168,5 +168,11 @@ async def _await_prefill(
             raise LegFailed(prefill, exc.code(), exc.details() or "") from None
         return first, await read_task
     finally:
-        if not read_task.done():
-            read_task.cancel()
+        _discard(read_task)
+
+
+def _discard(task: asyncio.Future) -> None:
+    """Cancel ``task`` if it still runs; its outcome is taken either way, so a leg that
+    failed after its sibling already decided the attempt is not reported as unretrieved."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -4,18 +4,29 @@ One owner: the gateway's event loop (no locks). A worker that misses
 ``heartbeat_miss_count`` periods is dropped by the sweeper; a worker whose RPC fails with
 UNAVAILABLE with a lost connection is dropped at once (``drop``). Routing reads the last reported load plus
 what this gateway routed since (so a burst does not all land on one worker).
+
+Identity (``docs/architecture.md``, "Identities"): the registry has an incarnation of its
+own (told to workers, so they notice a gateway restart), mints a random worker id per
+registration, and binds it to the worker's incarnation: a heartbeat counts only for that
+pair. One entry per address: a registration replaces the one made at its address before (a
+restarted worker). What workers report is checked (``gateway/reports.py``).
+
+After a (re)start the gateway waits for registrations: until a decode worker registered, or
+``startup_grace_s`` passed, it is not ready (health NOT_SERVING; requests wait for a decode
+worker within the grace instead of failing at once).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from dataclasses import dataclass, field
 
 import grpc
 import structlog
 
+from gateway.reports import check_load, check_state
+from plumbing.identity import mint_id
 from plumbing.rpc import channel_options
 from splitserve.v1 import (
     common_pb2,
@@ -36,6 +47,7 @@ class WorkerEntry:
     channel: grpc.aio.Channel
     stub: object  # DecodeWorkerStub | PrefillWorkerStub
     load: common_pb2.WorkerLoad
+    incarnation: int
     state: int = common_pb2.WORKER_STATE_SERVING
     last_beat: float = field(default_factory=time.monotonic)
     # Routed by this gateway and not finished yet (decayed by heartbeats' real numbers).
@@ -55,15 +67,19 @@ class WorkerEntry:
 
 
 class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
-    def __init__(self, model: str, heartbeat_period_ms: int, heartbeat_miss_count: int) -> None:
+    def __init__(self, model: str, heartbeat_period_ms: int, heartbeat_miss_count: int,
+                 incarnation: int | None = None, startup_grace_s: float = 0.0) -> None:
         self.model = model
+        self.incarnation = incarnation or mint_id()
+        self._startup_ends = time.monotonic() + startup_grace_s
+        self._decode_seen = False  # a decode worker registered since this gateway started
+        self._decode_waiters: list[asyncio.Future[None]] = []
         self.period_ms = heartbeat_period_ms
         self.miss_count = heartbeat_miss_count
         self.workers: dict[int, WorkerEntry] = {}
         # Dropped workers whose gRPC channel still carries routed requests: closing it would
         # cancel those streams under the handler, so it is closed once they are done.
         self._retired: list[WorkerEntry] = []
-        self._ids = itertools.count(1)
         self._sweeper: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
 
@@ -77,31 +93,63 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
             raise ValueError("address must be host:port")
         if request.model != self.model:
             raise ValueError(f"model: worker serves {request.model!r}, gateway serves {self.model!r}")
+        if not request.incarnation:
+            raise ValueError("incarnation must be set (the worker process's incarnation)")
+        check_load(request.load, "load")
+        for old in [w for w in self.workers.values() if w.address == request.address]:
+            self.drop(old.worker_id, "another process registered at its address")
         channel = grpc.aio.insecure_channel(request.address, options=channel_options())
         stub_type = (
             decode_pb2_grpc.DecodeWorkerStub
             if request.role == common_pb2.WORKER_ROLE_DECODE
             else prefill_pb2_grpc.PrefillWorkerStub
         )
-        entry = WorkerEntry(next(self._ids), request.role, request.address, channel,
-                            stub_type(channel), request.load)
-        self.workers[entry.worker_id] = entry
+        worker_id = mint_id()
+        while worker_id in self.workers:
+            worker_id = mint_id()
+        entry = WorkerEntry(worker_id, request.role, request.address, channel, stub_type(channel),
+                            request.load, request.incarnation)
+        self.workers[worker_id] = entry
         self.changed.set()
-        log.info("registry.worker_joined", worker_id=entry.worker_id,
+        if request.role == common_pb2.WORKER_ROLE_DECODE:
+            self._decode_seen = True
+            for waiter in self._decode_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+        log.info("registry.worker_joined", worker_id=worker_id,
                  role=common_pb2.WorkerRole.Name(request.role), address=request.address)
-        return gateway_pb2.RegisterWorkerResponse(worker_id=entry.worker_id,
-                                                  heartbeat_period_ms=self.period_ms)
+        return gateway_pb2.RegisterWorkerResponse(worker_id=worker_id, heartbeat_period_ms=self.period_ms,
+                                                  gateway_incarnation=self.incarnation)
 
     async def Heartbeat(
         self, request: gateway_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.HeartbeatResponse:
         entry = self.workers.get(request.worker_id)
-        if entry is None:
-            return gateway_pb2.HeartbeatResponse(known=False)
+        if entry is None or entry.incarnation != request.incarnation:
+            return gateway_pb2.HeartbeatResponse(known=False, gateway_incarnation=self.incarnation)
+        check_load(request.load, "load", entry.load.kv_blocks_total)
+        entry.state = check_state(request.state)
         entry.load = request.load
-        entry.state = request.state or common_pb2.WORKER_STATE_SERVING
         entry.last_beat = time.monotonic()
-        return gateway_pb2.HeartbeatResponse(known=True)
+        return gateway_pb2.HeartbeatResponse(known=True, gateway_incarnation=self.incarnation)
+
+    # -- startup ------------------------------------------------------------------------
+    def startup_left_s(self) -> float:
+        """Seconds of the startup grace left while no decode worker has registered; 0 after."""
+        return 0.0 if self._decode_seen else max(0.0, self._startup_ends - time.monotonic())
+
+    async def wait_for_decode(self, timeout_s: float) -> None:
+        """Return once a decode worker has registered since the start, or after ``timeout_s``."""
+        if self._decode_seen or timeout_s <= 0:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._decode_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._decode_waiters.remove(waiter)
 
     # -- liveness -----------------------------------------------------------------------
     def start(self) -> None:

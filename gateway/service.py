@@ -5,14 +5,19 @@ stream tokens back. One attempt's two legs are ``gateway/legs.py``'s; a request'
 A failure before any token reached the client is retried on other workers (up to
 ``max_attempts``), avoiding the worker that failed; after that it ends the stream with
 UNAVAILABLE.
+
+The event loop stays free for heartbeats: tokenizing and chat rendering run on one
+tokenizer thread (HF fast tokenizers are not safe to call concurrently; the byte cap of
+``gateway/prompt.py`` bounds each call), only cheap checks run on the loop. Request ids are
+minted (random 64-bit), never counted, so nobody can predict the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
@@ -23,8 +28,10 @@ from gateway.legs import LegFailed, NoWorker
 from gateway.registry import Registry
 from gateway.request import GatewayRequest
 from gateway.text import TextStream
-from gateway.validation import Limits, validate
+from gateway.prompt import prompt_token_ids
+from gateway.validation import Limits, ValidatedRequest, finish, precheck
 from plumbing.config import GatewayConfig
+from plumbing.identity import mint_id
 from plumbing.metrics import GatewayMetrics
 from plumbing.rpc import REQUEST_ID_KEY, TRACEPARENT_KEY, ServiceError, metadata_value
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -47,7 +54,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.limits = limits
         self.metrics = metrics
         self.model_name = model_name
-        self._ids = itertools.count(time.time_ns() // 1000)
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.num_in_flight = 0
 
     # -- RPCs ---------------------------------------------------------------------------
@@ -80,14 +87,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     async def _generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        rid = next(self._ids)
+        rid = mint_id()
         structlog.contextvars.bind_contextvars(request_id=str(rid))
         await context.send_initial_metadata(((REQUEST_ID_KEY, str(rid)),))
         if self.num_in_flight >= self.config.max_in_flight:
             self.metrics.requests.labels(outcome="resource_exhausted").inc()
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.num_in_flight} requests in flight (max_in_flight={self.config.max_in_flight})")
-        validated = validate(request, self.tokenizer, self.limits, self.chat)
+        validated = await self._validate(request)
         metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, str(rid)),)
         traceparent = metadata_value(context, TRACEPARENT_KEY)
         if traceparent is not None:
@@ -111,6 +118,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             self.metrics.in_flight.dec()
             self._record_done(req, outcome)
 
+    async def _validate(self, request: gateway_pb2.GenerateRequest) -> ValidatedRequest:
+        """``validation.validate``, its costly middle step off the event loop."""
+        precheck(request, self.limits)
+        prompt = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, prompt_token_ids, request, self.tokenizer, self.chat, self.limits.vocab_size)
+        return finish(request, prompt, self.limits, self.chat)
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
     def _record_done(self, req: GatewayRequest, outcome: str) -> None:
         seconds = time.monotonic() - req.start
         self.metrics.requests.labels(outcome=outcome).inc()
@@ -124,6 +141,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     async def _with_retries(self, req: GatewayRequest) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         last: LegFailed | None = None
+        if not self.registry.live(common_pb2.WORKER_ROLE_DECODE):  # just (re)started: let workers register
+            remaining = req.time_remaining()
+            wait_s = self.registry.startup_left_s()
+            await self.registry.wait_for_decode(wait_s if remaining is None else min(wait_s, remaining))
         for attempt in range(1, self.config.max_attempts + 1):
             try:
                 async for response in legs.attempt(req, self.registry, self.config.local_prefill_max_tokens,

@@ -1,4 +1,8 @@
-"""Request validation at the gateway: every rejection names the field (INVALID_ARGUMENT)."""
+"""Request validation at the gateway: every rejection names the field (INVALID_ARGUMENT).
+
+Three steps: ``precheck`` (no tokenizer, cheap, on the event loop, byte caps included:
+``gateway/prompt.py``), ``prompt_token_ids`` (tokenize or render the chat: the service runs
+it on its tokenizer thread), ``finish`` (checks that need the prompt's length)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from google.protobuf import unknown_fields
 
 from engine.chat import ChatTemplate
 from engine.sampling_params import SamplingParams
+from gateway.prompt import MAX_BYTES_PER_TOKEN, check_prompt_size, prompt_token_ids
 from plumbing.convert import sampling_params_from_proto, sampling_params_to_proto
 from splitserve.v1 import common_pb2, gateway_pb2
 
@@ -31,6 +36,12 @@ class Limits:
     max_model_len: int
     max_stop_strings: int
     max_stop_string_bytes: int
+    bytes_per_token: int = MAX_BYTES_PER_TOKEN  # the text byte cap's factor (gateway/prompt.py)
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """Longest prompt text (or chat content) accepted, in UTF-8 bytes."""
+        return self.max_model_len * self.bytes_per_token
 
 
 def _is_repeated(descriptor: Any) -> bool:
@@ -51,58 +62,12 @@ def _reject_unknown_fields(message: Any, path: str) -> None:
                 _reject_unknown_fields(value, f"{path}.{descriptor.name}".lstrip("."))
 
 
-_ROLE_NAMES = {gateway_pb2.CHAT_ROLE_SYSTEM: "system", gateway_pb2.CHAT_ROLE_USER: "user",
-               gateway_pb2.CHAT_ROLE_ASSISTANT: "assistant"}
-
-
-def _chat_prompt(request: gateway_pb2.GenerateRequest, chat: ChatTemplate | None) -> list[int]:
-    if chat is None:
-        raise ValueError("prompt.chat: this model has no chat template; send prompt.text or prompt.token_ids")
-    messages = []
-    for i, message in enumerate(request.chat.messages):
-        if message.role not in _ROLE_NAMES:
-            raise ValueError(f"prompt.chat.messages[{i}].role must be set (system, user or assistant)")
-        messages.append((_ROLE_NAMES[message.role], message.content))
-    return chat.render(messages, field="prompt.chat.messages")
-
-
-def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limits,
-             chat: ChatTemplate | None = None) -> ValidatedRequest:
-    """Raise ``ValueError`` naming the offending field; return what the workers need.
-    ``chat``: the model's chat template, for ``prompt.chat`` (None: the model has none)."""
+def precheck(request: gateway_pb2.GenerateRequest, limits: Limits) -> None:
+    """Everything that needs no tokenizer (cheap: runs on the event loop)."""
     _reject_unknown_fields(request, "")
-    which = request.WhichOneof("prompt")
-    if which is None:
-        raise ValueError("prompt: set text, token_ids or chat")
-    if which == "chat":
-        prompt = _chat_prompt(request, chat)
-    elif which == "text":
-        if not request.text:
-            raise ValueError("prompt.text must not be empty")
-        if tokenizer is None:
-            raise ValueError("prompt.text: this model has no tokenizer; send prompt.token_ids")
-        prompt = list(tokenizer.encode(request.text))
-        if not prompt:
-            raise ValueError("prompt.text tokenizes to no tokens")
-    else:
-        prompt = list(request.token_ids.ids)
-        if not prompt:
-            raise ValueError("prompt.token_ids must not be empty")
-        bad = next((t for t in prompt if t >= limits.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt.token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    check_prompt_size(request, limits.max_model_len, limits.max_prompt_bytes)
     if not request.HasField("stopping") or request.stopping.max_new_tokens < 1:
         raise ValueError("stopping.max_new_tokens must be >= 1")
-    if len(prompt) >= limits.max_model_len:
-        raise ValueError(
-            f"prompt is {len(prompt)} tokens; max_model_len={limits.max_model_len} leaves no room for output"
-        )
-    budget = limits.max_model_len - len(prompt)
-    if request.stopping.max_new_tokens > budget:
-        raise ValueError(
-            f"stopping.max_new_tokens={request.stopping.max_new_tokens} exceeds what max_model_len="
-            f"{limits.max_model_len} leaves after a {len(prompt)}-token prompt ({budget})"
-        )
     stops = tuple(request.stopping.stop_strings)
     if len(stops) > limits.max_stop_strings:
         raise ValueError(f"stopping.stop_strings: at most {limits.max_stop_strings}, got {len(stops)}")
@@ -114,8 +79,32 @@ def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limit
     bad_stop = next((t for t in request.stopping.stop_token_ids if t >= limits.vocab_size), None)
     if bad_stop is not None:
         raise ValueError(f"stopping.stop_token_ids: {bad_stop} is outside the vocabulary")
+
+
+def finish(request: gateway_pb2.GenerateRequest, prompt: list[int], limits: Limits,
+           chat: ChatTemplate | None = None) -> ValidatedRequest:
+    """The checks that need the prompt's token ids; what the workers get."""
+    if len(prompt) >= limits.max_model_len:
+        raise ValueError(
+            f"prompt is {len(prompt)} tokens; max_model_len={limits.max_model_len} leaves no room for output"
+        )
+    budget = limits.max_model_len - len(prompt)
+    if request.stopping.max_new_tokens > budget:
+        raise ValueError(
+            f"stopping.max_new_tokens={request.stopping.max_new_tokens} exceeds what max_model_len="
+            f"{limits.max_model_len} leaves after a {len(prompt)}-token prompt ({budget})"
+        )
     params = sampling_params_from_proto(request.sampling, request.stopping)
-    if which == "chat" and chat is not None and not params.ignore_eos:
+    if request.WhichOneof("prompt") == "chat" and chat is not None and not params.ignore_eos:
         end_ids = tuple(t for t in chat.end_of_turn_ids if t not in params.stop_token_ids)
         params = replace(params, stop_token_ids=params.stop_token_ids + end_ids)
-    return ValidatedRequest(prompt, params, stops, *sampling_params_to_proto(params))
+    return ValidatedRequest(prompt, params, tuple(request.stopping.stop_strings), *sampling_params_to_proto(params))
+
+
+def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limits,
+             chat: ChatTemplate | None = None) -> ValidatedRequest:
+    """Raise ``ValueError`` naming the offending field; return what the workers need.
+    ``chat``: the model's chat template, for ``prompt.chat`` (None: the model has none).
+    The service runs the same three steps with the middle one on its tokenizer thread."""
+    precheck(request, limits)
+    return finish(request, prompt_token_ids(request, tokenizer, chat, limits.vocab_size), limits, chat)

@@ -69,6 +69,7 @@ class WorkerConfig:
     transport: str = "auto"  # auto: nccl on CUDA, gloo otherwise
     transfer_timeout_s: float = 30.0  # one channel operation, and AwaitTransfer
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
+    max_reservations_per_request: int = 8  # decode: reservations one request id may take (leases are not renewable without end)
     # Fault injection for the failure tests: the prefill worker sleeps this long between
     # announcing a transfer and posting its send (0: off).
     fault_transfer_stall_s: float = 0.0
@@ -78,6 +79,8 @@ class WorkerConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.max_reservations_per_request < 1:
+            raise ValueError(f"max_reservations_per_request must be >= 1, got {self.max_reservations_per_request}")
 
     def resolved_transport(self) -> str:
         if self.transport != "auto":
@@ -99,8 +102,12 @@ class GatewayConfig:
     max_attempts: int = 3  # routing attempts while nothing was streamed
     max_stop_strings: int = 8
     max_stop_string_bytes: int = 256
+    # After a (re)start: NOT_SERVING, and requests wait for a decode worker, until one registered or this passed.
+    startup_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.startup_grace_s < 0:
+            raise ValueError(f"startup_grace_s must be >= 0, got {self.startup_grace_s}")
         for name in ("heartbeat_period_ms", "heartbeat_miss_count", "max_in_flight",
                      "reservation_wait_ms", "lease_ms", "max_attempts"):
             if getattr(self, name) < 1:
@@ -167,6 +174,8 @@ def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--gateway", default="127.0.0.1:50051", help="gateway address to register with")
     add_flag(p, "--transport", default="auto", choices=list(TRANSPORTS), help="KV transport")
     add_flag(p, "--transfer-timeout-s", type=float, default=30.0, help="KV channel op timeout")
+    add_flag(p, "--max-reservations-per-request", type=int, default=8,
+             help="decode: KV reservations one request id may take on this worker")
     add_flag(p, "--fault-transfer-stall-s", type=float, default=0.0,
              help="failure testing only: stall each KV send this long after announcing it")
 
@@ -175,6 +184,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         server=server_config(args), engine=engine_config(args), gateway=args.gateway,
         transport=args.transport, transfer_timeout_s=args.transfer_timeout_s,
+        max_reservations_per_request=args.max_reservations_per_request,
         fault_transfer_stall_s=args.fault_transfer_stall_s,
     )
 
@@ -190,6 +200,8 @@ def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--max-in-flight", type=int, default=256, help="concurrent requests before RESOURCE_EXHAUSTED")
     add_flag(p, "--reservation-wait-ms", type=int, default=5000, help="wait for decode KV blocks")
     add_flag(p, "--lease-ms", type=int, default=15000, help="decode reservation lease")
+    add_flag(p, "--startup-grace-s", type=float, default=10.0,
+             help="after a start, NOT_SERVING until a decode worker registered or this many seconds passed")
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -198,5 +210,5 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         heartbeat_period_ms=args.heartbeat_period_ms, heartbeat_miss_count=args.heartbeat_miss_count,
         max_in_flight=args.max_in_flight, reservation_wait_ms=args.reservation_wait_ms,
-        lease_ms=args.lease_ms,
+        lease_ms=args.lease_ms, startup_grace_s=args.startup_grace_s,
     )

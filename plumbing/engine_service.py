@@ -17,6 +17,8 @@ from engine.outputs import EngineLoad, RequestOutput
 from plumbing import rpc
 from plumbing.config import WorkerConfig
 from plumbing.convert import kv_layout_to_proto
+from plumbing.identity import mint_id
+from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
 from plumbing.metrics import WorkerMetrics, serve_metrics
 from plumbing.registration import RegistrationClient
 from splitserve.v1 import common_pb2
@@ -34,6 +36,7 @@ class EngineServicer:
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         self.config = config
         self.engine = engine
+        self.incarnation = mint_id()  # this process start (plumbing.identity)
         self.metrics = WorkerMetrics.create(self.role_name)
         self.loop = asyncio.get_running_loop()
         self.queues: dict[str, asyncio.Queue[Any]] = {}
@@ -120,7 +123,9 @@ async def serve_worker(
     service_name: str,
 ) -> None:
     """Build the engine, serve until SIGTERM/SIGINT, then drain and exit."""
+    install_loop_exception_handler()
     engine = Engine(config.engine)
+    adopt_library_loggers()  # transformers attached its own stderr handler on import
     worker = make_worker(config, engine)
     worker.engine_thread.start()
     server = rpc.make_server()
@@ -133,7 +138,7 @@ async def serve_worker(
     await rpc.set_serving(health, [service_name], True)
     worker.registration = RegistrationClient(
         config.gateway, worker.role, public, Path(config.engine.model).name,
-        kv_layout_to_proto(engine.kv_layout), worker.load_snapshot,
+        kv_layout_to_proto(engine.kv_layout), worker.load_snapshot, worker.incarnation,
     )
     worker.registration.start()
     log.info("worker.serving", role=worker.role_name, address=public, metrics_port=metrics_port,

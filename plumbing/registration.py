@@ -1,8 +1,12 @@
 """Worker side of the registry: register with the gateway, then heartbeat until stopped.
 
-A heartbeat the gateway answers with ``known=False`` (it restarted, or dropped us after
-missed beats) triggers a fresh registration. Failures are logged and retried each period;
-the worker keeps serving whatever it holds meanwhile.
+Registration and every heartbeat carry this process's incarnation (``plumbing.identity``):
+the gateway counts a heartbeat only for the (worker id, incarnation) pair it registered. A
+heartbeat the gateway answers with ``known=False`` (it restarted, dropped us after missed
+beats, or another process registered at our address), or with a gateway incarnation other
+than the one we registered with (the gateway restarted), triggers a fresh registration.
+Failures are logged and retried each period; the worker keeps serving whatever it holds
+meanwhile.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class RegistrationClient:
         model: str,
         kv_layout: common_pb2.KVLayout,
         load: Callable[[], common_pb2.WorkerLoad],
+        incarnation: int,
     ) -> None:
         self._channel = grpc.aio.insecure_channel(gateway_address, options=channel_options())
         self._stub = gateway_pb2_grpc.WorkerRegistryStub(self._channel)
@@ -36,6 +41,8 @@ class RegistrationClient:
         self._model = model
         self._layout = kv_layout
         self._load = load
+        self.incarnation = incarnation
+        self.gateway_incarnation = 0  # from the last registration
         self.worker_id: int | None = None
         self.period_s = 0.5
         self.state = common_pb2.WORKER_STATE_SERVING
@@ -45,11 +52,12 @@ class RegistrationClient:
         resp = await self._stub.RegisterWorker(
             gateway_pb2.RegisterWorkerRequest(
                 role=self._role, address=self._address, model=self._model,
-                kv_layout=self._layout, load=self._load(),
+                kv_layout=self._layout, load=self._load(), incarnation=self.incarnation,
             ),
             timeout=5.0,
         )
         self.worker_id = resp.worker_id
+        self.gateway_incarnation = resp.gateway_incarnation
         self.period_s = max(resp.heartbeat_period_ms, 10) / 1000.0
         log.info("registry.registered", worker_id=self.worker_id, period_s=self.period_s)
         return self.worker_id
@@ -62,11 +70,13 @@ class RegistrationClient:
             await self.register()
             return
         resp = await self._stub.Heartbeat(
-            gateway_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load(), state=self.state),
+            gateway_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load(), state=self.state,
+                                         incarnation=self.incarnation),
             timeout=max(self.period_s, 1.0),
         )
-        if not resp.known:
-            log.warning("registry.forgotten", worker_id=self.worker_id)
+        if not resp.known or resp.gateway_incarnation != self.gateway_incarnation:
+            log.warning("registry.forgotten", worker_id=self.worker_id, known=resp.known,
+                        gateway_restarted=resp.gateway_incarnation != self.gateway_incarnation)
             self.worker_id = None
             await self.register()
 
@@ -76,6 +86,8 @@ class RegistrationClient:
                 await self.beat_once()
             except grpc.aio.AioRpcError as exc:
                 log.warning("registry.heartbeat_failed", code=exc.code().name, details=exc.details())
+            except Exception:  # noqa: BLE001 - keep beating; never die silently
+                log.exception("registry.heartbeat_error")
             await asyncio.sleep(self.period_s)
 
     async def stop(self) -> None:

@@ -8,12 +8,15 @@ structlog context for every call.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 import structlog
+from google.protobuf import unknown_fields
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -52,6 +55,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+def peer_host(context: grpc.aio.ServicerContext) -> str | None:
+    """The IP address a call came from (``context.peer()``), or None when it is not IP."""
+    peer = unquote(context.peer() or "")
+    for prefix in ("ipv4:", "ipv6:"):
+        if peer.startswith(prefix):
+            return peer[len(prefix):].rsplit(":", 1)[0].strip("[]")
+    return None
+
+
 def metadata_value(context: grpc.aio.ServicerContext, name: str) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == name:
@@ -67,8 +79,42 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(code, message)
 
 
+class Undecodable:
+    """What a request deserializer hands on for bytes that are not the method's message
+    (random bytes, a truncated message, invalid UTF-8, field number 0...): the handler
+    wrapper rejects it with INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            message = deserializer(data)
+            if any(f.field_number == 0 for f in unknown_fields.UnknownFieldSet(message)):
+                return Undecodable("field number 0 is not valid")  # upb accepts it in an empty message
+            return message
+        except Exception as exc:  # noqa: BLE001 - DecodeError and whatever a parser raises
+            return Undecodable(str(exc) or type(exc).__name__)
+
+    return deserialize
+
+
+async def _reject_undecodable(context: grpc.aio.ServicerContext, request: Undecodable, method: str) -> None:
+    log.info("rpc.failed", method=method, code="INVALID_ARGUMENT", error="request does not parse")
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.error}")
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Binds ``request_id`` and maps exceptions raised by handlers to gRPC status codes."""
+    """Binds ``request_id``, maps exceptions raised by handlers to gRPC status codes, and
+    rejects requests that do not parse with INVALID_ARGUMENT (every method, health and
+    reflection included)."""
 
     async def intercept_service(
         self,
@@ -76,41 +122,72 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(("/grpc.health", "/grpc.reflection")):
+        if handler is None:
             return handler
         method = details.method
+        mapped = not method.startswith(("/grpc.health", "/grpc.reflection"))
+        deserialize = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                _bind(context, method)
-                try:
-                    return await inner(request, context)
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:  # noqa: BLE001 - this is the one mapping point
-                    await _abort(context, exc, method)
-
             return grpc.unary_unary_rpc_method_handler(
-                unary, handler.request_deserializer, handler.response_serializer
-            )
+                _unary(handler.unary_unary, method, mapped), deserialize, handler.response_serializer)
         if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                _bind(context, method)
-                try:
-                    async for item in inner_stream(request, context):
-                        yield item
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await _abort(context, exc, method)
-
             return grpc.unary_stream_rpc_method_handler(
-                stream, handler.request_deserializer, handler.response_serializer
-            )
+                _unary_stream(handler.unary_stream, method, mapped), deserialize, handler.response_serializer)
+        if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+            return grpc.stream_stream_rpc_method_handler(
+                _stream_stream(handler.stream_stream, method), deserialize, handler.response_serializer)
         return handler
+
+
+def _unary(inner: Callable[..., Awaitable[Any]], method: str, mapped: bool) -> Callable[..., Awaitable[Any]]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request, method)
+        if not mapped:
+            return await inner(request, context)
+        _bind(context, method)
+        try:
+            return await inner(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the one mapping point
+            await _abort(context, exc, method)
+
+    return unary
+
+
+def _unary_stream(inner: Callable[..., AsyncIterator[Any]], method: str,
+                  mapped: bool) -> Callable[..., AsyncIterator[Any]]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request, method)
+        if mapped:
+            _bind(context, method)
+        try:
+            async for item in inner(request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if not mapped:
+                raise
+            await _abort(context, exc, method)
+
+    return stream
+
+
+def _stream_stream(inner: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+    async def stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def checked() -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, Undecodable):
+                    await _reject_undecodable(context, request, method)
+                yield request
+
+        async for item in inner(checked(), context):
+            yield item
+
+    return stream
 
 
 def _bind(context: grpc.aio.ServicerContext, method: str) -> None:
@@ -161,10 +238,16 @@ def bind_port(server: grpc.aio.Server, host: str, port: int) -> str:
 
 
 def channel_options() -> list[tuple[str, Any]]:
+    """Options of every channel between the services. Reconnection backs off to at most 1 s
+    (gRPC's default grows to 120 s), so a peer restarted on the same address is reached again
+    within about a second: a worker re-registers, a gateway routes to it."""
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 

@@ -1,15 +1,24 @@
 """The prefill side of the KV channels: one per decode worker, opened lazily by a handshake.
 
 The prefill worker is rank 0: it hosts the Gloo rendezvous (or makes the NCCL unique id)
-and calls ``OpenKVChannel`` on the decode worker, which joins as rank 1. Sends must be
-posted in the order the decode worker posted its receives, so ``announce_and_send`` holds
-the pair's lock from ``AnnounceTransfer`` until the send is queued on the channel's single
-sender thread, and is shielded from cancellation in between.
+and calls ``OpenKVChannel`` on the decode worker, which joins as rank 1 and answers with a
+random channel id and its incarnation. Sends must be posted in the order the decode worker
+posted its receives, so ``announce_and_send`` holds the pair's lock from ``AnnounceTransfer``
+until the send is queued on the channel's single sender thread, in one task shielded from
+the caller's cancellation (the lock is released when that task ends, never before).
+
+A channel is used only with the decode incarnation it was opened with: a transfer whose
+target (``DecodeTarget.incarnation``) is another incarnation reopens it first, so a channel
+to a dead process is never kept just because no transfer failed on it. A refused or failed
+announce drops the channel too (except when only the reservation was refused: NOT_FOUND or
+INVALID_ARGUMENT, which the decode worker answers before it posts anything). Every send is
+framed with its transfer's tag (``plumbing.identity.frame_tag``).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -18,12 +27,15 @@ import structlog
 import torch
 
 from engine.kv_layout import KVLayout
-from plumbing.transport import KVChannel, TransportUnavailable
+from plumbing.blocking import DaemonCalls
 from plumbing.convert import kv_layout_to_proto
-from plumbing.rpc import channel_options
+from plumbing.rpc import ServiceError, channel_options
+from plumbing.transport import KVChannel, TransportUnavailable
 from splitserve.v1 import decode_pb2_grpc, kv_transfer_pb2
 
 log = structlog.get_logger()
+# The decode worker refused the transfer before posting a receive: the channel is in order.
+_CHANNEL_STILL_IN_ORDER = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 @dataclass
@@ -35,20 +47,30 @@ class Peer:
     grpc_channel: grpc.aio.Channel
     channel: KVChannel | None = None
     channel_id: int = 0
+    incarnation: int = 0  # the decode incarnation the channel was opened with
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def drop_channel(self, reason: str) -> None:
+        if self.channel is not None:
+            log.info("kv.channel_dropped", peer=self.address, channel_id=self.channel_id, reason=reason)
+            self.channel.close()
+        self.channel, self.channel_id, self.incarnation = None, 0, 0
 
 
 class ChannelPool:
     def __init__(self, layout: KVLayout, transport: str, host: str, device: str, timeout_s: float,
-                 fault_stall_s: float = 0.0) -> None:
+                 incarnation: int, fault_stall_s: float = 0.0) -> None:
         self.layout = layout
         self.transport = transport
         self.host = host
         self.device = device
         self.timeout_s = timeout_s
+        self.incarnation = incarnation
         self.fault_stall_s = fault_stall_s
         self.worker_id = 0  # set once registered
         self._peers: dict[str, Peer] = {}
+        self._accepts: DaemonCalls[KVChannel] = DaemonCalls(
+            "kv_channel_accept", max_running=8, max_queued=64, discard=lambda channel: channel.close())
 
     def peer(self, address: str) -> Peer:
         peer = self._peers.get(address)
@@ -58,35 +80,66 @@ class ChannelPool:
             self._peers[address] = peer
         return peer
 
-    async def announce_and_send(
-        self, address: str, header: kv_transfer_pb2.TransferHeader, packed: torch.Tensor
-    ) -> Future[None]:
-        """Open the channel if needed, announce, post the send; returns the send's future."""
+    async def announce_and_send(self, address: str, incarnation: int, header: kv_transfer_pb2.TransferHeader,
+                                packed: torch.Tensor, tag: int) -> Future[None]:
+        """Open (or reopen) the channel to decode incarnation ``incarnation`` at ``address``,
+        announce, post the send framed with ``tag``; returns the send's future."""
         peer = self.peer(address)
-        async with peer.lock:
-            if peer.channel is None or peer.channel.broken:
-                await self._open(peer)
-            assert peer.channel is not None
-            header.channel_id = peer.channel_id
-            return await asyncio.shield(self._announce_then_post(peer, peer.channel, header, packed))
+        await peer.lock.acquire()  # cancellable: nothing has started yet
+        try:
+            task = asyncio.ensure_future(self._open_announce_post(peer, incarnation, header, packed, tag))
+        except BaseException:
+            peer.lock.release()
+            raise
+        task.add_done_callback(lambda t: _settled(t, peer.lock))
+        return await asyncio.shield(task)
 
-    async def _announce_then_post(
-        self, peer: Peer, channel: KVChannel, header: kv_transfer_pb2.TransferHeader, packed: torch.Tensor
-    ) -> Future[None]:
-        await peer.stub.AnnounceTransfer(header, timeout=self.timeout_s)
+    async def _open_announce_post(self, peer: Peer, incarnation: int, header: kv_transfer_pb2.TransferHeader,
+                                  packed: torch.Tensor, tag: int) -> Future[None]:
+        """Under the pair's lock: the channel, the announce, the send queued (in that order)."""
+        if peer.channel is not None and (peer.channel.broken or peer.incarnation != incarnation):
+            peer.drop_channel("broken" if peer.channel.broken else "the decode worker restarted")
+        if peer.channel is None:
+            await self._open(peer)
+        if peer.incarnation != incarnation:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the decode worker at {peer.address} is not the incarnation that holds the reservation")
+        assert peer.channel is not None
+        header.channel_id = peer.channel_id
+        header.decode_incarnation = incarnation
+        header.prefill_incarnation = self.incarnation
+        try:
+            await peer.stub.AnnounceTransfer(header, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _CHANNEL_STILL_IN_ORDER:
+                peer.drop_channel(f"announce failed: {exc.code().name}")
+            raise
         if self.fault_stall_s:
             await asyncio.sleep(self.fault_stall_s)
-        return channel.send(packed)
+        return peer.channel.send(packed, tag=tag)
 
     async def _open(self, peer: Peer) -> None:
-        if peer.channel is not None:
-            peer.channel.close()
-            peer.channel = None
-        loop = asyncio.get_running_loop()
         handshake = kv_transfer_pb2.KVChannelHandshake(
             prefill_worker_id=self.worker_id, kv_layout=kv_layout_to_proto(self.layout),
-            timeout_ms=int(self.timeout_s * 1000),
+            timeout_ms=int(self.timeout_s * 1000), prefill_incarnation=self.incarnation,
         )
+        local, cleanup = self._local_side(handshake)
+        local_task = asyncio.ensure_future(local)
+        try:
+            accept = await peer.stub.OpenKVChannel(handshake, timeout=self.timeout_s)
+        except BaseException:
+            cleanup()
+            local_task.cancel()  # its thread ends within timeout_s; a late channel is closed
+            raise
+        peer.channel = await local_task
+        peer.channel_id, peer.incarnation = accept.channel_id, accept.decode_incarnation
+        log.info("kv.channel_open", peer=peer.address, channel_id=peer.channel_id,
+                 decode_incarnation=peer.incarnation, transport=peer.channel.kind.value)
+
+    def _local_side(self, handshake: kv_transfer_pb2.KVChannelHandshake
+                    ) -> tuple[Awaitable[KVChannel], Callable[[], None]]:
+        """Fill in the transport part of ``handshake``; rank 0's blocking half (on a daemon
+        thread) and what undoes it if the handshake fails."""
         if self.transport == "gloo":
             from plumbing.transport.gloo import GlooRendezvous
 
@@ -94,36 +147,28 @@ class ChannelPool:
             handshake.transport = kv_transfer_pb2.TRANSPORT_KIND_GLOO
             handshake.gloo.host = rendezvous.host
             handshake.gloo.port = rendezvous.port
-            local = loop.run_in_executor(None, rendezvous.accept)
-            cleanup = rendezvous.close
-        else:
-            from plumbing.transport.nccl import NcclChannel, NcclLibrary
+            return self._accepts.run(rendezvous.accept), rendezvous.close
+        from plumbing.transport.nccl import NcclChannel, NcclLibrary
 
-            if not torch.cuda.is_available():
-                raise TransportUnavailable("nccl transport needs a CUDA device; none is visible")
-            unique_id = NcclLibrary().get_unique_id()
-            handshake.transport = kv_transfer_pb2.TRANSPORT_KIND_NCCL
-            handshake.nccl_unique_id = unique_id
-            local = loop.run_in_executor(
-                None, lambda: NcclChannel(unique_id, rank=0, device=torch.device(self.device),
-                                          timeout_s=self.timeout_s)
-            )
-            cleanup = None
-        try:
-            accept = await peer.stub.OpenKVChannel(handshake, timeout=self.timeout_s)
-        except BaseException:
-            if cleanup is not None:
-                cleanup()  # unblocks accept()
-            local.cancel()
-            raise
-        peer.channel = await local
-        peer.channel_id = accept.channel_id
-        log.info("kv.channel_open", peer=peer.address, channel_id=peer.channel_id,
-                 transport=peer.channel.kind.value)
+        if not torch.cuda.is_available():
+            raise TransportUnavailable("nccl transport needs a CUDA device; none is visible")
+        unique_id = NcclLibrary().get_unique_id()
+        handshake.transport = kv_transfer_pb2.TRANSPORT_KIND_NCCL
+        handshake.nccl_unique_id = unique_id
+        device = torch.device(self.device)
+        return self._accepts.run(
+            lambda: NcclChannel(unique_id, rank=0, device=device, timeout_s=self.timeout_s)), lambda: None
 
     async def close(self) -> None:
         for peer in self._peers.values():
-            if peer.channel is not None:
-                peer.channel.close()
+            peer.drop_channel("shutdown")
             await peer.grpc_channel.close()
         self._peers.clear()
+
+
+def _settled(task: asyncio.Task[Future[None]], lock: asyncio.Lock) -> None:
+    """The shielded transfer task ended: free the pair, and take its outcome so nothing is
+    left unretrieved when the caller had stopped waiting."""
+    lock.release()
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("kv.transfer_task_failed", error=str(task.exception()))

@@ -21,6 +21,7 @@ from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from plumbing import convert
 from plumbing.config import WorkerConfig
+from plumbing.identity import TRANSFER_SECRET_BYTES, frame_tag
 from plumbing.rpc import ServiceError
 from splitserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from plumbing.engine_service import EngineServicer
@@ -37,7 +38,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         super().__init__(config, engine)
         self.channels = ChannelPool(
             engine.kv_layout, config.resolved_transport(), config.server.public_host,
-            config.engine.device, config.transfer_timeout_s, config.fault_transfer_stall_s,
+            config.engine.device, config.transfer_timeout_s, self.incarnation, config.fault_transfer_stall_s,
         )
         self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request
         self._num_held_blocks = 0  # their sum (engine thread writes, heartbeats read an int)
@@ -53,6 +54,10 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         params = convert.sampling_params_from_proto(request.sampling, request.stopping).for_prefill()
         if not request.target.address:
             raise ValueError("target.address must name the decode worker")
+        if not request.target.incarnation:
+            raise ValueError("target.incarnation must be the decode worker's (from its Reservation)")
+        if len(request.target.transfer_secret) != TRANSFER_SECRET_BYTES:
+            raise ValueError(f"target.transfer_secret must be {TRANSFER_SECRET_BYTES} bytes (from the Reservation)")
         if rid in self.queues:
             raise ValueError(f"request_id {rid} is already being prefilled here")
         self.queues[rid] = asyncio.Queue()
@@ -98,19 +103,22 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         num_bytes = packed.numel() * packed.element_size()
         timings.transfer_bytes = num_bytes
         header = kv_transfer_pb2.TransferHeader(
-            transfer_id=target.transfer_id, request_id=request.request_id, num_blocks=packed.shape[2],
+            transfer_id=target.transfer_id, transfer_secret=target.transfer_secret,
+            request_id=request.request_id, num_blocks=packed.shape[2],
             num_bytes=num_bytes, num_prompt_tokens=len(request.prompt_token_ids),
             first_token_id=first_token_id, timings=timings,
         )
         if first_logprob is not None:
             header.first_logprob.CopyFrom(first_logprob)
         t_transfer = time.monotonic()
-        send = await self.channels.announce_and_send(target.address, header, packed)
+        send = await self.channels.announce_and_send(
+            target.address, target.incarnation, header, packed, frame_tag(target.transfer_id, target.transfer_secret))
         t_wire = time.monotonic()
         await asyncio.wrap_future(send)
         timings.transfer_wire_us = int((time.monotonic() - t_wire) * 1e6)
         status = await self.channels.peer(target.address).stub.AwaitTransfer(
             kv_transfer_pb2.AwaitTransferRequest(transfer_id=target.transfer_id,
+                                                 transfer_secret=target.transfer_secret,
                                                  timeout_ms=int(self.config.transfer_timeout_s * 1000)),
             timeout=self.config.transfer_timeout_s + 1,
         )

@@ -33,7 +33,7 @@ class TransportKind(enum.Enum):
 
 
 class TransportError(RuntimeError):
-    """A channel operation failed (peer died, timeout, frame mismatch, closed).
+    """A channel operation failed (peer died, timeout, frame mismatch (order, tag, size), closed).
 
     The channel is broken afterwards: every pending and later op fails with this error.
     """
@@ -71,27 +71,29 @@ class KVChannel(ABC):
     timeout_s: float
 
     @abstractmethod
-    def send(self, tensor: torch.Tensor) -> Future[None]:
-        """Queue ``tensor`` (contiguous) for sending; ops run strictly in call order.
+    def send(self, tensor: torch.Tensor, tag: int = 0) -> Future[None]:
+        """Queue ``tensor`` (contiguous) for sending, framed with ``tag`` (an int64 naming
+        what the op is for); ops run strictly in call order.
 
         The caller must not modify ``tensor`` until the future is done. Invalid arguments
         raise ``ValueError`` here; wire failures fail the future with TransportError.
         """
 
     @abstractmethod
-    def recv(self, tensor: torch.Tensor) -> Future[None]:
+    def recv(self, tensor: torch.Tensor, tag: int = 0) -> Future[None]:
         """Queue a receive into ``tensor`` (contiguous, filled in place), in call order.
 
-        ``tensor`` must have exactly as many bytes as the peer's matching send; otherwise
-        the op fails with TransportError (the frame is checked before any payload byte lands).
-        If the peer sent a cancel marker instead, the future fails with
-        :class:`TransferCancelled` (the tensor's contents are then unspecified) and the
-        channel stays usable.
+        The peer's matching send must carry the same ``tag`` and exactly as many bytes as
+        ``tensor``; otherwise the op fails with TransportError and the channel breaks (the
+        frame is checked before the op completes; the tensor's contents are then
+        unspecified and must not be used). If the peer sent a cancel marker instead, the
+        future fails with :class:`TransferCancelled` (contents unspecified) and the channel
+        stays usable.
         """
 
     @abstractmethod
-    def send_cancel(self) -> Future[None]:
-        """Occupy the next send slot with a cancel marker instead of a tensor.
+    def send_cancel(self, tag: int = 0) -> Future[None]:
+        """Occupy the next send slot with a cancel marker (framed with ``tag``) instead of a tensor.
 
         For a transfer the control plane announced but the sender cannot deliver: the
         peer's matching recv fails with :class:`TransferCancelled`, and the order on both

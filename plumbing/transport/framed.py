@@ -1,12 +1,16 @@
 """FramedChannel: the ordering and failure machinery GlooChannel and NcclChannel share.
 
 Each direction's ops are numbered from 0 (``seq``) by the thread that runs them, and every op
-carries a small int64 frame ``[seq, nbytes]`` next to its payload (``nbytes`` is CANCELLED
-for a :meth:`send_cancel` marker). The receiving side checks the frame against its own count
-and its tensor's size (:func:`check_frame`) before any payload byte can land in the wrong
-place: with Gloo, more bytes arriving than were posted aborts the whole process, and fewer
-silently leave the tail unwritten; with NCCL a mismatch is undefined. How the frame travels
-is the transport's choice (see ``_transmit``/``_receive`` in gloo.py and nccl.py).
+carries a small int64 frame ``[seq, nbytes, tag]`` next to its payload (``nbytes`` is CANCELLED
+for a :meth:`send_cancel` marker). ``tag`` is the caller's per-op tag: the services pass the
+transfer's tag (``plumbing.identity.frame_tag``: a digest of the transfer id and its secret),
+so a receive posted for one transfer can only ever be filled by the send made for that same
+transfer. The receiving side checks the frame against its own count, its own tag and its
+tensor's size (:func:`check_frame`) before any payload byte can land in the wrong place:
+with Gloo, more bytes arriving than were posted aborts the whole process, and fewer silently
+leave the tail unwritten; with NCCL a mismatch is undefined. A tag mismatch breaks the
+channel like any frame mismatch. How the frame travels is the transport's choice (see
+``_transmit``/``_receive`` in gloo.py and nccl.py).
 
 Threads: ``send``/``recv``/``send_cancel``/``close`` run on the caller's thread;
 ``_transmit`` runs only on the sender thread and ``_receive`` only on the receiver thread
@@ -30,7 +34,8 @@ from plumbing.transport.op_thread import Finish, OpThread
 logger = structlog.get_logger(__name__)
 
 CANCELLED = -1  # frame nbytes of a send_cancel() marker
-FRAME_NUMEL = 2  # int64 [seq, nbytes]
+FRAME_NUMEL = 3  # int64 [seq, nbytes, tag]
+TAG_MIN, TAG_MAX = -(1 << 63), (1 << 63) - 1  # a tag is one int64
 _CLOSE_GRACE_S = 0.25  # how long close() waits for an in-flight op before tearing down
 
 
@@ -65,18 +70,21 @@ class FramedChannel(KVChannel):
 
     # -- public API (any thread) ---------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor) -> Future[None]:
+    def send(self, tensor: torch.Tensor, tag: int = 0) -> Future[None]:
         self._check_tensor(tensor, "send")
+        check_tag(tag)
         ready = self._prepare(tensor)
-        return self._sender.submit(lambda: self._run_send(tensor, ready))
+        return self._sender.submit(lambda: self._run_send(tensor, tag, ready))
 
-    def send_cancel(self) -> Future[None]:
-        return self._sender.submit(lambda: self._run_send(None, None))
+    def send_cancel(self, tag: int = 0) -> Future[None]:
+        check_tag(tag)
+        return self._sender.submit(lambda: self._run_send(None, tag, None))
 
-    def recv(self, tensor: torch.Tensor) -> Future[None]:
+    def recv(self, tensor: torch.Tensor, tag: int = 0) -> Future[None]:
         self._check_tensor(tensor, "recv")
+        check_tag(tag)
         ready = self._prepare(tensor)
-        return self._receiver.submit(lambda: self._run_recv(tensor, ready))
+        return self._receiver.submit(lambda: self._run_recv(tensor, tag, ready))
 
     @property
     def broken(self) -> bool:
@@ -132,15 +140,16 @@ class FramedChannel(KVChannel):
         return None
 
     @abstractmethod
-    def _transmit(self, seq: int, tensor: torch.Tensor | None, ready: object) -> Finish | None:
-        """Sender thread: deliver op ``seq`` (``tensor``, or a cancel marker when None).
-        Returns None once the tensor may be reused, or a callable that waits for that."""
+    def _transmit(self, seq: int, tensor: torch.Tensor | None, tag: int, ready: object) -> Finish | None:
+        """Sender thread: deliver op ``seq`` (``tensor``, or a cancel marker when None) framed
+        with ``tag``. Returns None once the tensor may be reused, or a callable that waits."""
 
     @abstractmethod
-    def _receive(self, seq: int, tensor: torch.Tensor, ready: object) -> Finish | None:
-        """Receiver thread: post op ``seq``'s receive into ``tensor``; return None when it is
-        complete, or a callable that completes it (up to ``recv_depth`` are outstanding).
-        Raise TransferCancelled for a cancel marker, TransportError for a bad frame."""
+    def _receive(self, seq: int, tensor: torch.Tensor, tag: int, ready: object) -> Finish | None:
+        """Receiver thread: post op ``seq``'s receive into ``tensor``, expecting ``tag``; return
+        None when it is complete, or a callable that completes it (up to ``recv_depth`` are
+        outstanding). Raise TransferCancelled for a cancel marker, TransportError for a bad
+        frame (order, tag or size)."""
 
     def _on_broken(self) -> None:
         """Called once, on the thread that broke the channel, after futures have failed:
@@ -156,15 +165,15 @@ class FramedChannel(KVChannel):
 
     # -- worker-thread bodies ------------------------------------------------------------
 
-    def _run_send(self, tensor: torch.Tensor | None, ready: object) -> Finish | None:
+    def _run_send(self, tensor: torch.Tensor | None, tag: int, ready: object) -> Finish | None:
         seq = self._next_send_seq
         self._next_send_seq += 1
-        return self._transmit(seq, tensor, ready)
+        return self._transmit(seq, tensor, tag, ready)
 
-    def _run_recv(self, tensor: torch.Tensor, ready: object) -> Finish | None:
+    def _run_recv(self, tensor: torch.Tensor, tag: int, ready: object) -> Finish | None:
         seq = self._next_recv_seq
         self._next_recv_seq += 1
-        return self._receive(seq, tensor, ready)
+        return self._receive(seq, tensor, tag, ready)
 
     def _on_op_error(self, exc: Exception) -> BaseException:
         """Worker thread: a cancel marker fails only its op; anything else breaks the channel."""
@@ -221,12 +230,20 @@ def frame_nbytes(tensor: torch.Tensor | None) -> int:
     return CANCELLED if tensor is None else tensor.nbytes
 
 
-def check_frame(seq: int, frame: tuple[int, int], tensor: torch.Tensor) -> bool:
-    """Receiver side: True if ``frame`` is a cancel marker for op ``seq``, False if the
-    payload that follows fits ``tensor`` exactly; TransportError otherwise."""
-    frame_seq, nbytes = frame
+def check_tag(tag: int) -> None:
+    if not isinstance(tag, int) or not TAG_MIN <= tag <= TAG_MAX:
+        raise ValueError(f"tag must be an int64, got {tag!r}")
+
+
+def check_frame(seq: int, frame: tuple[int, int, int], tensor: torch.Tensor, tag: int) -> bool:
+    """Receiver side: True if ``frame`` is a cancel marker for op ``seq`` sent with ``tag``,
+    False if the payload that follows was sent with ``tag`` and fits ``tensor`` exactly;
+    TransportError otherwise (the payload must then not be used)."""
+    frame_seq, nbytes, frame_tag = frame
     if frame_seq != seq:
         raise TransportError(f"frame out of order: peer sent op #{frame_seq}, expected #{seq}")
+    if frame_tag != tag:
+        raise TransportError(f"tag mismatch on op #{seq}: the peer sent it for another transfer")
     if nbytes == CANCELLED:
         return True
     if nbytes != tensor.nbytes:

@@ -15,13 +15,14 @@ milliseconds per message in Gloo's TCP transport: streaming 256 KiB messages ran
 
     sender thread                                 receiver thread (op seq, tensor of n bytes)
     (READY recv always posted ahead)              post STATUS recv, post DATA recv (n bytes)
-                       <────── READY [seq, n] ──  send READY
-    check n == own nbytes
-    send STATUS [seq, nbytes] ──────────────────> check (check_frame)
+                  <────── READY [seq, n, tag] ──  send READY
+    check n == own nbytes, tag == own tag
+    send STATUS [seq, nbytes, tag] ─────────────> check (check_frame)
     send DATA (nbytes) ─────────────────────────> payload lands in the tensor
 
-A cancel marker sends STATUS [seq, CANCELLED] and n zero bytes (the DATA receive is already
-posted and must be matched). A size mismatch sends STATUS only and breaks both sides.
+A cancel marker sends STATUS [seq, CANCELLED, tag] and n zero bytes (the DATA receive is
+already posted and must be matched). A size or tag mismatch sends STATUS only and breaks both
+sides: a send made for one transfer never fills a receive posted for another.
 
 Failure: when the peer process dies its TCP connection closes and pending ops fail at once
 ("Connection closed by peer"); a peer that hangs is caught by the op timeout, after which
@@ -193,28 +194,32 @@ class GlooChannel(FramedChannel):
             raise TransportError("gloo channel closed")
         return pg
 
-    def _transmit(self, seq: int, tensor: torch.Tensor | None, ready: object) -> None:
+    def _transmit(self, seq: int, tensor: torch.Tensor | None, tag: int, ready: object) -> None:
         pg, slot = self._group(), seq % RECV_DEPTH
         ready_work = self._ready_works[slot]
         if ready_work is None:
             raise TransportError("gloo channel closed")
         ready_work.wait(self._wait_timeout)
-        ready_seq, expected = self._ready_bufs[slot].tolist()
+        ready_seq, expected, ready_tag = self._ready_bufs[slot].tolist()
         self._ready_works[slot] = pg.recv(  # for op seq + RECV_DEPTH
             [self._ready_bufs[slot]], self._peer, _tag(self.rank, _READY, slot))
         if ready_seq != seq:
             raise TransportError(
                 f"frame out of order: peer is ready for op #{ready_seq}, sending #{seq}")
         nbytes = frame_nbytes(tensor)
-        status = torch.tensor([seq, nbytes], dtype=torch.int64)
+        status = torch.tensor([seq, nbytes, tag], dtype=torch.int64)
         works = [pg.send([status], self._peer, _tag(self.rank, _STATUS, slot))]
         data_tag = _tag(self.rank, _DATA, slot)
-        if tensor is None and expected > 0:  # match the DATA receive the peer already posted
+        if ready_tag != tag:
+            pass  # STATUS only: the peer's check fails before its DATA receive matters
+        elif tensor is None and expected > 0:  # match the DATA receive the peer already posted
             works.append(pg.send([torch.zeros(expected, dtype=torch.uint8)], self._peer, data_tag))
         elif tensor is not None and nbytes == expected and nbytes > 0:
             works.append(pg.send([_as_bytes(tensor)], self._peer, data_tag))
         for work in works:
             work.wait(self._wait_timeout)
+        if ready_tag != tag:
+            raise TransportError(f"tag mismatch on op #{seq}: the peer posted it for another transfer")
         if tensor is not None and nbytes != expected:
             raise TransportError(
                 f"size mismatch on op #{seq}: sending {nbytes} bytes, "
@@ -222,20 +227,20 @@ class GlooChannel(FramedChannel):
             )
         return None
 
-    def _receive(self, seq: int, tensor: torch.Tensor, ready: object) -> Callable[[], None]:
+    def _receive(self, seq: int, tensor: torch.Tensor, tag: int, ready: object) -> Callable[[], None]:
         pg, slot, peer = self._group(), seq % RECV_DEPTH, self._peer
         status_buf = self._status_bufs[slot]
         status_work = pg.recv([status_buf], peer, _tag(peer, _STATUS, slot))
         data_work = (pg.recv([_as_bytes(tensor)], peer, _tag(peer, _DATA, slot))
                      if tensor.nbytes else None)
-        ready_frame = torch.tensor([seq, tensor.nbytes], dtype=torch.int64)
+        ready_frame = torch.tensor([seq, tensor.nbytes, tag], dtype=torch.int64)
         ready_work = pg.send([ready_frame], peer, _tag(peer, _READY, slot))
 
         def finish() -> None:
             ready_work.wait(self._wait_timeout)
             status_work.wait(self._wait_timeout)
-            frame_seq, nbytes = status_buf.tolist()
-            cancelled = check_frame(seq, (frame_seq, nbytes), tensor)
+            frame_seq, nbytes, frame_tag = status_buf.tolist()
+            cancelled = check_frame(seq, (frame_seq, nbytes, frame_tag), tensor, tag)
             if data_work is not None:
                 data_work.wait(self._wait_timeout)
             if cancelled:

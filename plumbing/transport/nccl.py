@@ -136,9 +136,9 @@ class NcclChannel(FramedChannel):
 
     # -- API: one direction only ---------------------------------------------------------
 
-    def send_cancel(self) -> Future[None]:
+    def send_cancel(self, tag: int = 0) -> Future[None]:
         self._check_direction("send_cancel")
-        return super().send_cancel()
+        return super().send_cancel(tag)
 
     def _check_direction(self, op: str) -> None:
         sender = op.startswith("send")
@@ -159,27 +159,29 @@ class NcclChannel(FramedChannel):
 
     # -- wire primitives (sender / receiver thread) --------------------------------------
 
-    def _transmit(self, seq: int, tensor: torch.Tensor | None, ready: object) -> None:
-        """Frame ``[seq, nbytes]`` then the payload; NCCL needs no receive posted first."""
+    def _transmit(self, seq: int, tensor: torch.Tensor | None, tag: int, ready: object) -> None:
+        """Frame ``[seq, nbytes, tag]`` then the payload; NCCL needs no receive posted first
+        (and has no tags: the frame, checked by the receiver first, carries ours)."""
         deadline = time.monotonic() + self.timeout_s
         nbytes = frame_nbytes(tensor)
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             if ready is not None:
                 self._stream.wait_event(ready)
-            frame = torch.tensor([seq, nbytes], dtype=torch.int64, device=self._device)
+            frame = torch.tensor([seq, nbytes, tag], dtype=torch.int64, device=self._device)
             self._p2p(self._lib.send, frame, deadline, "frame send")
             if tensor is not None and nbytes > 0:
                 self._p2p(self._lib.send, tensor, deadline, "payload send")
             self._wait_stream(deadline, "send")
 
-    def _receive(self, seq: int, tensor: torch.Tensor, ready: object) -> None:
-        """The frame first (to the host, checked), then the payload into ``tensor``."""
+    def _receive(self, seq: int, tensor: torch.Tensor, tag: int, ready: object) -> None:
+        """The frame first (to the host, checked: order, tag, size), then the payload into
+        ``tensor``; a frame for another transfer breaks the channel before any payload moves."""
         deadline = time.monotonic() + self.timeout_s
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             self._p2p(self._lib.recv, self._frame_buf, deadline, "frame recv")
             self._wait_stream(deadline, "frame recv")
-            frame_seq, nbytes = self._frame_buf.tolist()
-            if check_frame(seq, (int(frame_seq), int(nbytes)), tensor):
+            frame_seq, nbytes, frame_tag = self._frame_buf.tolist()
+            if check_frame(seq, (int(frame_seq), int(nbytes), int(frame_tag)), tensor, tag):
                 raise TransferCancelled(f"peer cancelled op #{seq}")
             if nbytes > 0:
                 self._stream.wait_event(ready)

@@ -230,3 +230,23 @@ class NcclLibrary:
 
     def comm_abort(self, comm: int) -> None:
         self.check(self._lib.ncclCommAbort(comm), "ncclCommAbort")
+
+
+def bootstrap_host(unique_id: bytes) -> str | None:
+    """The IP address rank 1 dials to join the communicator ``unique_id`` names (its
+    bootstrap root, rank 0's host), or None when the id does not hold one we can read.
+
+    An ncclUniqueId is ``ncclBootstrapHandle {uint64 magic; sockaddr_in/_in6 addr}`` (NCCL
+    >= 2.12): bytes 8-9 the address family (host order), 10-11 the port, then the address.
+    """
+    import socket
+    import struct
+
+    if len(unique_id) != UNIQUE_ID_BYTES:
+        return None
+    family = struct.unpack_from("<H", unique_id, 8)[0]
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, unique_id[12:16])
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, unique_id[16:32])  # after flowinfo
+    return None

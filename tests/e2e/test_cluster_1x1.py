@@ -190,7 +190,7 @@ def test_kv_handshake_refuses_a_layout_mismatch_and_nccl_without_a_gpu(cluster: 
         good_layout = worker_layout(cluster)
         nccl = kv_transfer_pb2.KVChannelHandshake(
             transport=kv_transfer_pb2.TRANSPORT_KIND_NCCL, kv_layout=good_layout,
-            nccl_unique_id=NcclLibrary().get_unique_id(), timeout_ms=2000,
+            nccl_unique_id=NcclLibrary().get_unique_id(), timeout_ms=2000, prefill_incarnation=1,
         )
         with pytest.raises(grpc.RpcError) as info:
             stub.OpenKVChannel(nccl, timeout=10)

@@ -14,10 +14,24 @@ def _load(total: int = 100, free: int = 100, queued: int = 0) -> common_pb2.Work
     return common_pb2.WorkerLoad(kv_blocks_total=total, kv_blocks_free=free, num_queued_prefill_tokens=queued)
 
 
-async def _register(reg: Registry, role: int, port: int, load: common_pb2.WorkerLoad) -> int:
-    resp = await reg.RegisterWorker(
-        gateway_pb2.RegisterWorkerRequest(role=role, address=f"127.0.0.1:{port}", model="m", load=load), None)
+def _incarnation(port: int) -> int:
+    return 0x5EED0000 + port  # the worker at 127.0.0.1:port, in these tests
+
+
+async def _register(reg: Registry, role: int, port: int, load: common_pb2.WorkerLoad,
+                    incarnation: int | None = None) -> int:
+    resp = await reg.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+        role=role, address=f"127.0.0.1:{port}", model="m", load=load,
+        incarnation=incarnation or _incarnation(port)), None)
+    assert resp.gateway_incarnation == reg.incarnation
     return resp.worker_id
+
+
+async def _beat(reg: Registry, worker_id: int, port: int, load: common_pb2.WorkerLoad,
+                state: int = common_pb2.WORKER_STATE_SERVING, incarnation: int | None = None
+                ) -> gateway_pb2.HeartbeatResponse:
+    return await reg.Heartbeat(gateway_pb2.HeartbeatRequest(
+        worker_id=worker_id, load=load, state=state, incarnation=incarnation or _incarnation(port)), None)
 
 
 def test_routing_follows_reported_load_and_what_was_routed() -> None:
@@ -33,10 +47,10 @@ def test_routing_follows_reported_load_and_what_was_routed() -> None:
         assert reg.pick_prefill(set()).worker_id == p1
         assert reg.pick_decode({d2}).worker_id == d1
         assert reg.pick_decode({d1, d2}) is None
-        await reg.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=d1, load=_load(free=100)), None)
-        assert reg.pick_decode(set()).worker_id == d1  # now empty; ties go to the lower id
-        await reg.Heartbeat(gateway_pb2.HeartbeatRequest(
-            worker_id=d1, load=_load(free=100), state=common_pb2.WORKER_STATE_DRAINING), None)
+        await _beat(reg, d1, 1, _load(free=100))
+        reg.workers[d2].load = _load(free=99)
+        assert reg.pick_decode(set()).worker_id == d1  # now empty
+        await _beat(reg, d1, 1, _load(free=100), common_pb2.WORKER_STATE_DRAINING)
         assert reg.pick_decode(set()).worker_id == d2  # draining workers take nothing new
         await reg.stop()
 
@@ -51,10 +65,10 @@ def test_a_silent_worker_is_dropped_and_told_to_register_again() -> None:
         alive = await _register(reg, DECODE, 2, _load())
         for _ in range(15):  # >= 450 ms, the live one beating every 30 ms
             await asyncio.sleep(0.03)
-            await reg.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=alive, load=_load()), None)
+            await _beat(reg, alive, 2, _load())
         assert set(reg.workers) == {alive}
-        reply = await reg.Heartbeat(gateway_pb2.HeartbeatRequest(worker_id=quiet, load=_load()), None)
-        assert reply.known is False
+        reply = await _beat(reg, quiet, 1, _load())
+        assert reply.known is False and reply.gateway_incarnation == reg.incarnation
         await reg.stop()
 
     asyncio.run(run())
@@ -63,7 +77,16 @@ def test_a_silent_worker_is_dropped_and_told_to_register_again() -> None:
 @pytest.mark.parametrize("field, request_", [
     ("role", gateway_pb2.RegisterWorkerRequest(address="a:1", model="m")),
     ("address", gateway_pb2.RegisterWorkerRequest(role=DECODE, model="m")),
-    ("model", gateway_pb2.RegisterWorkerRequest(role=DECODE, address="a:1", model="other")),
+    ("model", gateway_pb2.RegisterWorkerRequest(role=DECODE, address="a:1", model="other", incarnation=7)),
+    ("incarnation", gateway_pb2.RegisterWorkerRequest(role=DECODE, address="a:1", model="m", load=_load())),
+    # A worker claiming more free blocks than it has would get negative load and all traffic.
+    ("load.kv_blocks_free", gateway_pb2.RegisterWorkerRequest(
+        role=DECODE, address="a:1", model="m", incarnation=7, load=_load(total=10, free=11))),
+    ("load.kv_blocks_in_transfer", gateway_pb2.RegisterWorkerRequest(
+        role=DECODE, address="a:1", model="m", incarnation=7,
+        load=common_pb2.WorkerLoad(kv_blocks_total=10, kv_blocks_free=10, kv_blocks_in_transfer=11))),
+    ("load.kv_blocks_total", gateway_pb2.RegisterWorkerRequest(
+        role=DECODE, address="a:1", model="m", incarnation=7, load=_load(total=0, free=0))),
 ])
 def test_bad_registrations_name_the_field(field: str, request_: gateway_pb2.RegisterWorkerRequest) -> None:
     async def run() -> None:

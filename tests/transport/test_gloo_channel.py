@@ -232,3 +232,36 @@ def test_connect_to_nothing_is_a_transport_error() -> None:
 def test_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         GlooRendezvous("127.0.0.1", timeout_s=0)
+
+
+def test_a_send_for_another_tag_never_fills_the_receive_and_breaks_both_sides(
+    gloo_pair: Callable[..., Pair]
+) -> None:
+    """Same size, different transfer: the receiving tensor is never handed over as filled."""
+    sender, receiver = gloo_pair()
+    target = torch.zeros(6)
+    received = receiver.recv(target, tag=11)
+    sent = sender.send(torch.ones(6), tag=12)
+    with pytest.raises(TransportError, match="tag mismatch"):
+        sent.result(GUARD_S)
+    with pytest.raises(TransportError, match="tag mismatch"):
+        received.result(GUARD_S)
+    assert torch.equal(target, torch.zeros(6))  # no DATA was sent after the READY frame's tag
+    assert sender.broken and receiver.broken
+
+
+def test_matching_tags_deliver_and_a_cancel_carries_its_tag(gloo_pair: Callable[..., Pair]) -> None:
+    sender, receiver = gloo_pair()
+    tag = -(1 << 63)  # any int64
+    out = torch.zeros(4)
+    got = receiver.recv(out, tag=tag)
+    sender.send(torch.arange(4.0), tag=tag).result(GUARD_S)
+    got.result(GUARD_S)
+    assert torch.equal(out, torch.arange(4.0))
+    cancelled = receiver.recv(torch.zeros(2), tag=5)
+    sender.send_cancel(tag=5).result(GUARD_S)
+    with pytest.raises(TransferCancelled):
+        cancelled.result(GUARD_S)
+    assert not sender.broken and not receiver.broken
+    with pytest.raises(ValueError, match="int64"):
+        sender.send(torch.ones(1), tag=1 << 63)

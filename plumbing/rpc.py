@@ -131,8 +131,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(
                 _unary(handler.unary_unary, method, mapped), deserialize, handler.response_serializer)
         if handler.unary_stream is not None:
+            wrap = _unary_stream if inspect.isasyncgenfunction(handler.unary_stream) else _unary_writer
             return grpc.unary_stream_rpc_method_handler(
-                _unary_stream(handler.unary_stream, method, mapped), deserialize, handler.response_serializer)
+                wrap(handler.unary_stream, method, mapped), deserialize, handler.response_serializer)
         if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
             return grpc.stream_stream_rpc_method_handler(
                 _stream_stream(handler.stream_stream, method), deserialize, handler.response_serializer)
@@ -176,6 +177,20 @@ def _unary_stream(inner: Callable[..., AsyncIterator[Any]], method: str,
     return stream
 
 
+def _unary_writer(inner: Callable[..., Awaitable[None]], method: str,
+                  mapped: bool) -> Callable[..., Awaitable[None]]:
+    """A server-streaming handler written as a coroutine that calls ``context.write`` (the
+    health service's ``Watch``): awaited, not iterated."""
+    async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request, method)
+        if mapped:
+            _bind(context, method)
+        await inner(request, context)
+
+    return writer
+
+
 def _stream_stream(inner: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
     async def stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async def checked() -> AsyncIterator[Any]:
@@ -198,10 +213,12 @@ def _bind(context: grpc.aio.ServicerContext, method: str) -> None:
     structlog.contextvars.bind_contextvars(rpc=method.rsplit("/", 1)[-1])
 
 
-def make_server(options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Server:
-    """A ``grpc.aio`` server with the error interceptor and the message-size limit."""
+def make_server(options: Iterable[tuple[str, Any]] = (),
+                interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> grpc.aio.Server:
+    """A ``grpc.aio`` server with the message-size limit and ``interceptors`` (default: the
+    error interceptor alone; ``plumbing/servers.py`` puts authentication before it)."""
     return grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor()],
+        interceptors=interceptors if interceptors is not None else [ErrorMappingInterceptor()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -62,15 +62,18 @@ class Cluster:
         self.log_level = log_level
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.addresses: dict[str, str] = {}
+        self._commands: dict[str, tuple[str, list[str]]] = {}  # name -> (role, flags), for restart
         self._tmp = tempfile.TemporaryDirectory(prefix="splitserve-")
 
     def _spawn(self, name: str, role: str, flags: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
         ready = Path(self._tmp.name) / f"{name}.addr"
+        ready.unlink(missing_ok=True)
+        self._commands[name] = (role, flags)
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         cmd = service_command(role, [*flags, "--ready-file", str(ready), "--log-level", self.log_level])
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
         self.procs[name] = proc
@@ -103,6 +106,23 @@ class Cluster:
         from splitserve.client import wait_for_workers
 
         wait_for_workers(self.addresses["gateway"], self.num_prefill, self.num_decode, timeout_s)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to one service and wait for it to exit; its exit code."""
+        proc = self.procs[name]
+        proc.send_signal(sig)
+        return proc.wait()
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> str:
+        """Start an exited service again on the address it had (a new process: a new
+        incarnation at the same host:port); return that address once it is ready."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        role, flags = self._commands[name]
+        port = self.addresses[name].rsplit(":", 1)[1]
+        proc, ready = self._spawn(name, role, [*flags, "--port", port])  # the last --port wins
+        self.addresses[name] = wait_ready(ready, proc, timeout_s)
+        return self.addresses[name]
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every child (workers first), wait, SIGKILL stragglers; return exit codes."""

@@ -27,6 +27,7 @@ class Streamed:
     timings: common_pb2.PhaseTimings | None = None
     error: grpc.StatusCode | None = None
     details: str = ""
+    request_id: int = 0
 
 
 def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float = 60.0,
@@ -40,6 +41,7 @@ def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float = 
                 out.token_ids += list(chunk.token_ids)
                 out.text += chunk.text
                 out.chunks += 1
+                out.request_id = chunk.request_id
                 if started is not None:
                     started.set()
                 if chunk.finish_reason:

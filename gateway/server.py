@@ -63,7 +63,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
              metrics_port=metrics_port, model=model_name, max_model_len=limits.max_model_len,
              max_prompt_bytes=limits.max_prompt_bytes, incarnation=registry.incarnation, **security.describe())
     if config.server.ready_file:
-        write_ready_file(config.server.ready_file, [address, internal])
+        write_ready_file(config.server.ready_file, [address, internal, *([health_address] if health_address else [])])
     await rpc.wait_for_signal()
     ready.cancel()
     log.info("gateway.draining", in_flight=service.num_in_flight, grace_s=config.server.drain_grace_s)

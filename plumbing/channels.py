@@ -103,6 +103,7 @@ class PeerChannel:
         self._channel = security.dial(address, [_UnaryUnary(self._calls), _UnaryStream(self._calls)])
         self._stubs: dict[type, Any] = {}
         self._retired: list[tuple[grpc.aio.Channel, _Calls]] = []
+        self.closed = False
 
     def stub(self, stub_type: type) -> Any:
         """``stub_type`` on the channel for the current credentials."""
@@ -143,6 +144,7 @@ class PeerChannel:
 
     async def close(self) -> None:
         """Close every channel now (calls still running are cancelled)."""
+        self.closed = True
         for channel, _ in self._retired:
             await channel.close()
         self._retired = []

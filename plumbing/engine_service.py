@@ -153,7 +153,7 @@ async def serve_worker(
     log.info("worker.serving", role=worker.role_name, address=public, health_address=health_address,
              metrics_port=metrics_port, kv_blocks=engine.kv.num_blocks, **worker.security.describe())
     if config.server.ready_file:
-        write_ready_file(config.server.ready_file, [public])
+        write_ready_file(config.server.ready_file, [public, *([health_address] if health_address else [])])
     await rpc.wait_for_signal()
     log.info("worker.draining", role=worker.role_name, grace_s=config.server.drain_grace_s)
     worker.registration.state = common_pb2.WORKER_STATE_DRAINING

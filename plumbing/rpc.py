@@ -186,7 +186,12 @@ def _unary_writer(inner: Callable[..., Awaitable[None]], method: str,
             await _reject_undecodable(context, request, method)
         if mapped:
             _bind(context, method)
-        await inner(request, context)
+        result = inner(request, context)
+        if inspect.isasyncgen(result):  # a plain function that returns a generator
+            async for item in result:
+                await context.write(item)
+        else:
+            await result
 
     return writer
 

@@ -120,7 +120,8 @@ class Servers:
 
 def write_ready_file(path: str, addresses: list[str]) -> None:
     """``addresses``, one a line, written whole (renamed into place): a reader never sees
-    half of it. The gateway writes its public address, then its internal one."""
+    half of it. The gateway writes its public address, its internal one, then its health
+    port's when it has one; a worker its address, then its health port's."""
     tmp = Path(path).with_name(Path(path).name + ".tmp")
     tmp.write_text("\n".join(addresses))
     tmp.replace(path)

@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs to stderr on its own (a refused TLS handshake is an INFO line), outside
+    # the JSON lines: errors only, unless the environment asks for more. Set before gRPC loads.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -10,7 +10,9 @@ Each surface is its own ``grpc.aio`` server (interceptors and credentials are pe
 * ``health`` (``--health-port``): grpc.health.v1 only, plaintext, for kubelet probes (they
   cannot speak TLS).
 
-One health servicer answers on every port. The drain (``drain``), in order:
+One health servicer answers on every port: the whole server ("") and each service SERVING
+or NOT_SERVING (readiness), and ``liveness`` SERVING as long as the process answers. The
+drain (``drain``), in order:
 
 1. every port reports NOT_SERVING, and keeps accepting connections and calls for
    ``drain_grace_s`` (a kubelet probe, a fresh connection each time, sees NOT_SERVING instead
@@ -35,11 +37,14 @@ from grpc_reflection.v1alpha import reflection
 
 from plumbing import rpc
 from plumbing.auth import AuthInterceptor
-from plumbing.health import DrainingHealthServicer
+from plumbing.health import SERVING, DrainingHealthServicer
 from plumbing.security import Security
 
 log = structlog.get_logger()
 PUBLIC, INTERNAL, HEALTH = "public", "internal", "health"
+# The health service name liveness probes check: SERVING while the event loop answers, also
+# while starting (no decode worker yet) and draining, when the server ("") is NOT_SERVING.
+LIVENESS = "liveness"
 Register = Callable[[grpc.aio.Server], None]
 
 
@@ -98,6 +103,7 @@ class Servers:
         return None if port < 0 else self.add(HEALTH, host, port, [], [])
 
     async def start(self) -> None:
+        await self.health.set(LIVENESS, SERVING)  # the process answers; drain does not change it
         for surface in self.surfaces.values():
             await surface.server.start()
 

@@ -178,6 +178,8 @@ def _health(args: argparse.Namespace) -> int:
 
     from splitserve.client import ClientAuth
 
+    if args.address is None:
+        args.address = f"127.0.0.1:{args.health_port if args.health_port >= 0 else 50051}"
     try:
         auth = ClientAuth() if args.plaintext else ClientAuth.from_args(args)
         with auth.channel(args.address, options=[]) as channel:
@@ -272,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=_fetch)
 
     hc = sub.add_parser("health", help="check a server's grpc.health.v1 status (exit 0: SERVING)")
-    hc.add_argument("--address", default="127.0.0.1:50051")
+    hc.add_argument("--address", default=None, help="host:port (default: 127.0.0.1:--health-port, else :50051)")
+    cfg.add_flag(hc, "--health-port", type=int, default=-1,
+                 help="without --address, check this port on 127.0.0.1 (a service's probe port)")
     hc.add_argument("--service", default="", help="service name ('' = the whole server)")
     hc.add_argument("--timeout-s", type=float, default=2.0)
     add_client_security_flags(hc)

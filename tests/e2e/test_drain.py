@@ -29,7 +29,7 @@ from tests.e2e.cluster_util import MODEL
 
 pytestmark = [pytest.mark.slow]
 
-GRACE_S, TIMEOUT_S, TOKEN_GAP_S = 2.0, 20.0, 0.1
+GRACE_S, TIMEOUT_S, TOKEN_GAP_S = 3.0, 20.0, 0.1
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -61,11 +61,12 @@ def _register(registry: str, address: str, stop: threading.Event) -> None:
                 pass  # the gateway is going away
 
 
-def _probe(address: str) -> str:
+def _probe(address: str, service: str = "") -> str:
     """One kubelet-style check: a fresh connection, one Check, the status or the error."""
     try:
         with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                               timeout=1)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError as exc:
         return exc.code().name
@@ -100,6 +101,13 @@ def _logged(path: Path, event: str) -> bool:
     return f'"event": "{event}"' in path.read_text()
 
 
+def _when_draining(log_path: Path, proc: subprocess.Popen[bytes], public: str, out: dict) -> None:
+    """Once the gateway logged the start of its grace, send a short request."""
+    while not _logged(log_path, "drain.grace") and proc.poll() is None:
+        time.sleep(0.01)
+    _stream(public, 5, out)
+
+
 def test_a_kubelet_sees_not_serving_through_the_grace_and_the_stream_finishes(tmp_path: Path) -> None:
     fake = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     decode_pb2_grpc.add_DecodeWorkerServicer_to_server(SlowDecodeWorker(), fake)
@@ -131,16 +139,17 @@ def test_a_kubelet_sees_not_serving_through_the_grace_and_the_stream_finishes(tm
         proc.send_signal(signal.SIGTERM)
         probes: list[tuple[str, str, bool]] = []  # (port, answer, drain started before the check)
         during_grace: dict = {}
+        late = threading.Thread(target=_when_draining, args=(log_path, proc, public, during_grace), daemon=True)
+        late.start()  # a load balancer that has not noticed yet sends one more request
         while proc.poll() is None and time.monotonic() - signalled < GRACE_S + TIMEOUT_S + 10:
             draining = _logged(log_path, "drain.grace")
-            if draining and not during_grace:  # a load balancer still sends a request
-                threading.Thread(target=_stream, args=(public, 5, during_grace), daemon=True).start()
-                during_grace["started"] = True
-            probes += [("health", _probe(health), draining), ("public", _probe(public), draining)]
+            probes += [("health", _probe(health), draining), ("public", _probe(public), draining),
+                       ("liveness", _probe(health, "liveness"), draining)]
             time.sleep(0.1)
         code = proc.wait(timeout=5)
         exited = time.monotonic() - signalled
         streaming.join(30)
+        late.join(30)
     finally:
         stop_beats.set()
         if proc.poll() is None:
@@ -152,6 +161,8 @@ def test_a_kubelet_sees_not_serving_through_the_grace_and_the_stream_finishes(tm
     assert ("health", "SERVING") not in after_drain_began and ("public", "SERVING") not in after_drain_began
     assert sum(answer == "NOT_SERVING" for port, answer in after_drain_began if port == "health") >= 3
     assert ("public", "NOT_SERVING") in after_drain_began  # connections were still accepted while draining
+    liveness = {answer for port, answer in after_drain_began if port == "liveness"}
+    assert "SERVING" in liveness and "NOT_SERVING" not in liveness  # a draining process is alive
     assert long == {"tokens": 40, "finish": common_pb2.FINISH_REASON_LENGTH}  # the stream in flight finished
     assert during_grace.get("tokens") == 5 and "error" not in during_grace
     for name, watch in watches.items():

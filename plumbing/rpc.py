@@ -274,9 +274,15 @@ def channel_options() -> list[tuple[str, Any]]:
 
 
 async def wait_for_signal() -> None:
-    """Return on the first SIGTERM or SIGINT."""
+    """Return on the first SIGTERM or SIGINT. Later ones are ignored for the rest of the
+    process's life (the drain is under way; SIGKILL still ends it): left to the event loop,
+    the default action would come back when the loop closes, and a repeated signal (a process
+    group signalled twice) would kill the process on its way out, after a clean drain."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)

@@ -101,6 +101,19 @@ def _logged(path: Path, event: str) -> bool:
     return f'"event": "{event}"' in path.read_text()
 
 
+def _probe_until_exit(proc: subprocess.Popen[bytes], log_path: Path, public: str, health: str,
+                      signalled: float) -> list[tuple[str, str, bool]]:
+    """Kubelet-style checks every 100 ms until the process exits: (port, answer, whether the
+    drain had started before the check)."""
+    probes: list[tuple[str, str, bool]] = []
+    while proc.poll() is None and time.monotonic() - signalled < GRACE_S + TIMEOUT_S + 10:
+        draining = _logged(log_path, "drain.grace")
+        probes += [("health", _probe(health), draining), ("public", _probe(public), draining),
+                   ("liveness", _probe(health, "liveness"), draining)]
+        time.sleep(0.1)
+    return probes
+
+
 def _when_draining(log_path: Path, proc: subprocess.Popen[bytes], public: str, out: dict) -> None:
     """Once the gateway logged the start of its grace, send a short request."""
     while not _logged(log_path, "drain.grace") and proc.poll() is None:
@@ -137,15 +150,10 @@ def test_a_kubelet_sees_not_serving_through_the_grace_and_the_stream_finishes(tm
         time.sleep(0.2)  # the Watch streams are open
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        probes: list[tuple[str, str, bool]] = []  # (port, answer, drain started before the check)
         during_grace: dict = {}
         late = threading.Thread(target=_when_draining, args=(log_path, proc, public, during_grace), daemon=True)
         late.start()  # a load balancer that has not noticed yet sends one more request
-        while proc.poll() is None and time.monotonic() - signalled < GRACE_S + TIMEOUT_S + 10:
-            draining = _logged(log_path, "drain.grace")
-            probes += [("health", _probe(health), draining), ("public", _probe(public), draining),
-                       ("liveness", _probe(health, "liveness"), draining)]
-            time.sleep(0.1)
+        probes = _probe_until_exit(proc, log_path, public, health, signalled)
         code = proc.wait(timeout=5)
         exited = time.monotonic() - signalled
         streaming.join(30)

@@ -102,8 +102,9 @@ class Security:
             while True:
                 await asyncio.sleep(self.config.tls.check_s)
                 self.reload()
-        finally:
+        finally:  # a SIGHUP while starting or stopping reloads nothing, and never kills the process
             loop.remove_signal_handler(signal.SIGHUP)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def _on_sighup(self) -> None:
         log.info("security.sighup")

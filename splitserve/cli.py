@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def _run_service(args: argparse.Namespace) -> int:
     from plumbing.logs import configure_logging
 
     configure_logging(args.command, args.log_level)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the service listens for it (a reload)
     try:
         if args.command == "gateway":
             from gateway.server import serve_gateway

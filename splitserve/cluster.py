@@ -3,7 +3,8 @@
 Each service is its own process (``python -m splitserve.cli <role> ...``), so a crash or a
 ``kill -9`` of one behaves as it would in a deployment. SIGINT/SIGTERM to ``up`` sends
 SIGTERM to every child (health NOT_SERVING, drain, exit), waits for them, and kills any
-that outlive the grace period.
+that outlive the grace period; SIGHUP is passed on (the services reload their TLS and key
+files).
 """
 
 from __future__ import annotations
@@ -206,8 +207,14 @@ def run_cluster(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
+    def reload(signum: int, frame: object) -> None:  # SIGHUP: every service re-reads its TLS and key files
+        for proc in cluster.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGHUP)
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, reload)
     try:
         address = cluster.start()
     except (RuntimeError, TimeoutError) as exc:

@@ -251,14 +251,6 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
         await servicer.set(name, status)
 
 
-def bind_port(server: grpc.aio.Server, host: str, port: int) -> str:
-    """Bind an insecure port (0: ephemeral); returns the ``host:port`` clients should use."""
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
-    return f"{host}:{bound}"
-
-
 def channel_options() -> list[tuple[str, Any]]:
     """Options of every channel between the services. Reconnection backs off to at most 1 s
     (gRPC's default grows to 120 s), so a peer restarted on the same address is reached again

@@ -32,10 +32,20 @@ RUN pip install . && python -c "import splitserve.v1.gateway_pb2_grpc, plumbing.
 # Another model: mount it and point SPLITSERVE_MODEL at the directory or .gguf file
 # (compose.yaml says how); models/ holds the small bundled pair (speculative-decoding demo).
 ENV SPLITSERVE_CACHE=/app/cache
-RUN splitserve fetch
+RUN splitserve fetch \
+    && useradd --system --uid 10001 --user-group --home-dir /tmp --no-create-home splitserve
 
+# Run as the unprivileged user made above (uid 10001, as the Kubernetes manifests expect);
+# the code and the model stay owned by root, read-only to it. Every service answers
+# grpc.health.v1 on a plaintext health-only port (kubelet gRPC probes cannot speak TLS);
+# `splitserve health` checks 127.0.0.1:$SPLITSERVE_HEALTH_PORT.
+USER 10001:10001
 ENV SPLITSERVE_MODEL=/app/cache/SmolLM2-135M-Instruct.Q4_1.gguf \
-    SPLITSERVE_HOST=0.0.0.0
-EXPOSE 50051
+    SPLITSERVE_HOST=0.0.0.0 \
+    SPLITSERVE_HEALTH_PORT=8081 \
+    HOME=/tmp
+EXPOSE 50051 50052 8081
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+    CMD ["splitserve", "health", "--plaintext"]
 ENTRYPOINT ["splitserve"]
 CMD ["up", "--help"]

@@ -27,7 +27,7 @@ import structlog
 
 from gateway.reports import check_load, check_state
 from plumbing.identity import mint_id
-from plumbing.rpc import channel_options
+from plumbing.channels import ChannelSecurity, PeerChannel
 from splitserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -44,8 +44,8 @@ class WorkerEntry:
     worker_id: int
     role: int
     address: str
-    channel: grpc.aio.Channel
-    stub: object  # DecodeWorkerStub | PrefillWorkerStub
+    channel: PeerChannel  # TLS, the shared secret, certificate rotation (plumbing/channels.py)
+    stub_type: type  # DecodeWorkerStub | PrefillWorkerStub
     load: common_pb2.WorkerLoad
     incarnation: int
     state: int = common_pb2.WORKER_STATE_SERVING
@@ -53,6 +53,11 @@ class WorkerEntry:
     # Routed by this gateway and not finished yet (decayed by heartbeats' real numbers).
     num_routed: int = 0
     num_routed_prefill_tokens: int = 0
+
+    @property
+    def stub(self) -> object:
+        """The worker's stub on the channel for the current credentials."""
+        return self.channel.stub(self.stub_type)
 
     def kv_pressure(self) -> float:
         total = max(self.load.kv_blocks_total, 1)
@@ -68,8 +73,10 @@ class WorkerEntry:
 
 class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
     def __init__(self, model: str, heartbeat_period_ms: int, heartbeat_miss_count: int,
-                 incarnation: int | None = None, startup_grace_s: float = 0.0) -> None:
+                 incarnation: int | None = None, startup_grace_s: float = 0.0,
+                 security: ChannelSecurity | None = None) -> None:
         self.model = model
+        self.security = security or ChannelSecurity()  # how the gateway dials workers
         self.incarnation = incarnation or mint_id()
         self._startup_ends = time.monotonic() + startup_grace_s
         self._decode_seen = False  # a decode worker registered since this gateway started
@@ -98,7 +105,7 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
         check_load(request.load, "load")
         for old in [w for w in self.workers.values() if w.address == request.address]:
             self.drop(old.worker_id, "another process registered at its address")
-        channel = grpc.aio.insecure_channel(request.address, options=channel_options())
+        channel = PeerChannel(request.address, self.security)
         stub_type = (
             decode_pb2_grpc.DecodeWorkerStub
             if request.role == common_pb2.WORKER_ROLE_DECODE
@@ -107,7 +114,7 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
         worker_id = mint_id()
         while worker_id in self.workers:
             worker_id = mint_id()
-        entry = WorkerEntry(worker_id, request.role, request.address, channel, stub_type(channel),
+        entry = WorkerEntry(worker_id, request.role, request.address, channel, stub_type,
                             request.load, request.incarnation)
         self.workers[worker_id] = entry
         self.changed.set()

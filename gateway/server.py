@@ -1,4 +1,4 @@
-"""Run the gateway: Gateway + WorkerRegistry services, health, reflection, metrics."""
+"""Run the gateway: the public Gateway service, the internal WorkerRegistry, health, reflection, metrics."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from plumbing import rpc
 from plumbing.config import GatewayConfig
 from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
 from plumbing.metrics import GatewayMetrics, serve_metrics
+from plumbing.security import Security
+from plumbing.servers import INTERNAL, PUBLIC, Servers, write_ready_file
 from splitserve.v1 import common_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
-SERVICE_NAMES = ["splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"]
+GATEWAY, REGISTRY = "splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"
 
 
 def model_limits(config: GatewayConfig, tokenizer: object | None) -> Limits:
@@ -30,42 +32,50 @@ def model_limits(config: GatewayConfig, tokenizer: object | None) -> Limits:
 
 
 async def serve_gateway(config: GatewayConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (``plumbing/servers.py``) and return.
+
+    Two surfaces: the public API on ``--port`` (TLS, API keys) and the worker registry on
+    ``--internal-port`` (mTLS and/or the shared secret); never the registry on the public port."""
     install_loop_exception_handler()
     tokenizer = load_tokenizer(config.model)
     adopt_library_loggers()  # transformers attached its own stderr handler on import
     limits = model_limits(config, tokenizer)
     model_name = Path(config.model).name
     metrics = GatewayMetrics.create()
+    security = Security.from_config(config.server.security)
     registry = Registry(model_name, config.heartbeat_period_ms, config.heartbeat_miss_count,
-                        startup_grace_s=config.startup_grace_s)
+                        startup_grace_s=config.startup_grace_s, security=security.channels())
     service = GatewayService(config, registry, tokenizer, limits, metrics, model_name)
-    server = rpc.make_server()
-    gateway_pb2_grpc.add_GatewayServicer_to_server(service, server)
-    gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(registry, server)
-    health = rpc.add_health_and_reflection(server, SERVICE_NAMES)
-    address = rpc.bind_port(server, config.server.host, config.server.port)
-    await server.start()
+    servers = Servers(security, metrics.count_auth_failure)
+    host = config.server.host
+    address = servers.add(PUBLIC, host, config.server.port,
+                          [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(service, s)], [GATEWAY])
+    internal = servers.add(INTERNAL, host, config.internal_port,
+                           [lambda s: gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(registry, s)], [REGISTRY])
+    health_address = servers.add_health(host, config.server.health_port)
+    await servers.start()
     registry.start()
-    metrics_port = serve_metrics(metrics.registry, config.server.host, config.server.metrics_port)
-    await rpc.set_serving(health, SERVICE_NAMES, False)  # until workers registered (or the grace ran out)
-    ready = asyncio.ensure_future(_serving_once_registered(registry, health, config.startup_grace_s))
-    log.info("gateway.listening", address=address, metrics_port=metrics_port, model=model_name,
-             max_model_len=limits.max_model_len, max_prompt_bytes=limits.max_prompt_bytes,
-             incarnation=registry.incarnation)
+    metrics_port = serve_metrics(metrics.registry, host, config.server.metrics_port)
+    await servers.set_serving(False)  # until workers registered (or the grace ran out)
+    ready = asyncio.ensure_future(_serving_once_registered(registry, servers, config.startup_grace_s))
+    reloads = asyncio.ensure_future(security.watch())
+    log.info("gateway.listening", address=address, internal_address=internal, health_address=health_address,
+             metrics_port=metrics_port, model=model_name, max_model_len=limits.max_model_len,
+             max_prompt_bytes=limits.max_prompt_bytes, incarnation=registry.incarnation, **security.describe())
     if config.server.ready_file:
-        Path(config.server.ready_file).write_text(address)
+        write_ready_file(config.server.ready_file, [address, internal, *([health_address] if health_address else [])])
     await rpc.wait_for_signal()
     ready.cancel()
-    log.info("gateway.draining", in_flight=service.num_in_flight)
-    await rpc.set_serving(health, SERVICE_NAMES, False)
-    await server.stop(config.server.drain_timeout_s)
+    log.info("gateway.draining", in_flight=service.num_in_flight, grace_s=config.server.drain_grace_s)
+    await servers.drain(config.server.drain_grace_s, config.server.drain_timeout_s)
+    reloads.cancel()
     await registry.stop()
     service.close()
     log.info("gateway.stopped")
 
 
-async def _serving_once_registered(registry: Registry, health: object, grace_s: float) -> None:
+async def _serving_once_registered(registry: Registry, servers: Servers, grace_s: float) -> None:
     """Health turns SERVING once a decode worker registered, or when the grace has passed."""
     await registry.wait_for_decode(grace_s)
-    await rpc.set_serving(health, SERVICE_NAMES, True)  # type: ignore[arg-type]
+    await servers.set_serving(True)
     log.info("gateway.serving", decode_workers=len(registry.live(common_pb2.WORKER_ROLE_DECODE)))

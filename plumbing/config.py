@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
+from plumbing.tls import TlsConfig
 
 TRANSPORTS = ("auto", "gloo", "nccl")
 
@@ -35,24 +36,46 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """TLS and tokens (``plumbing/security.py``). Nothing set: plaintext, no tokens."""
+
+    tls: TlsConfig = TlsConfig()
+    api_keys: str | None = None  # gateway: accepted API keys, comma-separated
+    api_keys_file: str | None = None  # gateway: accepted API keys, one a line
+    internal_secret: str | None = None  # the shared secret of internal ports
+    internal_secret_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tls.ca_file is not None and not self.tls.enabled:
+            raise ValueError("tls_ca needs tls_cert and tls_key: a service presents its own certificate (mTLS)")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
-    """Where a service listens and reports."""
+    """Where a service listens and reports, how it is secured, how it drains."""
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: an ephemeral port
     advertise_host: str | None = None  # what peers dial; default: host
     metrics_port: int = -1  # -1: no /metrics endpoint; 0: ephemeral
-    ready_file: str | None = None  # write "host:port" here once serving
+    health_port: int = -1  # plaintext grpc.health.v1 only (kubelet probes); -1: none
+    ready_file: str | None = None  # write "host:port" lines here once serving (plumbing/servers.py)
     log_level: str = "info"
+    # On SIGTERM: NOT_SERVING while still serving for drain_grace_s, then refuse new calls
+    # and give in-flight ones drain_timeout_s to finish.
+    drain_grace_s: float = 0.0
     drain_timeout_s: float = 10.0
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        for name in ("metrics_port", "health_port"):
+            if not -1 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be -1 (off) or in [0, 65535], got {getattr(self, name)}")
+        for name in ("drain_grace_s", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def public_host(self) -> str:
@@ -105,10 +128,16 @@ class GatewayConfig:
     max_stop_string_bytes: int = 256
     # After a (re)start: NOT_SERVING, and requests wait for a decode worker, until one registered or this passed.
     startup_grace_s: float = 10.0
+    internal_port: int = 0  # the worker registry's port (never the public one); 0: ephemeral
+
 
     def __post_init__(self) -> None:
         if self.startup_grace_s < 0:
             raise ValueError(f"startup_grace_s must be >= 0, got {self.startup_grace_s}")
+        if not 0 <= self.internal_port <= 65535:
+            raise ValueError(f"internal_port must be in [0, 65535], got {self.internal_port}")
+        if self.internal_port and self.internal_port == self.server.port:
+            raise ValueError("internal_port must differ from port: the registry is never on the public port")
         for name in ("heartbeat_period_ms", "heartbeat_miss_count", "max_in_flight",
                      "reservation_wait_ms", "lease_ms", "max_attempts"):
             if getattr(self, name) < 1:
@@ -124,16 +153,50 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     add_flag(p, "--port", type=int, default=default_port, help="gRPC port (0: ephemeral)")
     add_flag(p, "--advertise-host", default=None, help="host peers dial (default: --host)")
     add_flag(p, "--metrics-port", type=int, default=-1, help="Prometheus port (-1 off, 0 ephemeral)")
-    add_flag(p, "--ready-file", default=None, help="write host:port here once serving")
+    add_flag(p, "--ready-file", default=None,
+             help="write host:port here once serving (the gateway: public, internal; then health)")
     add_flag(p, "--log-level", default="info", help="debug|info|warning|error")
-    add_flag(p, "--drain-timeout-s", type=float, default=10.0, help="grace for in-flight work on SIGTERM")
+    add_flag(p, "--health-port", type=int, default=-1,
+             help="plaintext grpc.health.v1-only port for kubelet probes (-1 off, 0 ephemeral)")
+    add_flag(p, "--drain-grace-s", type=float, default=0.0,
+             help="on SIGTERM, report NOT_SERVING but keep serving this long before closing")
+    add_flag(p, "--drain-timeout-s", type=float, default=10.0,
+             help="then, how long in-flight calls may take to finish")
+    add_tls_flags(p)
+    add_flag(p, "--tls-reload-check-s", type=float, default=5.0,
+             help="check the TLS and token files for a change this often (SIGHUP: at once)")
+    add_flag(p, "--internal-secret", default=None,
+             help="shared secret required on internal ports and sent by internal clients "
+                  "(prefer the variable or --internal-secret-file)")
+    add_flag(p, "--internal-secret-file", default=None, help="file holding the internal shared secret")
+
+
+def add_tls_flags(p: argparse.ArgumentParser) -> None:
+    """The TLS files (services and clients alike)."""
+    add_flag(p, "--tls-cert", default=None, help="PEM certificate: TLS on every port and channel")
+    add_flag(p, "--tls-key", default=None, help="PEM private key of --tls-cert")
+    add_flag(p, "--tls-ca", default=None,
+             help="PEM CA bundle: verify peers against it; internal ports then require client certificates")
+    add_flag(p, "--tls-server-name", default=None,
+             help="name expected in peers' certificates, whatever address is dialed (default: the host)")
+
+
+def tls_config(args: argparse.Namespace) -> TlsConfig:
+    return TlsConfig(cert_file=args.tls_cert, key_file=args.tls_key, ca_file=args.tls_ca,
+                     server_name=args.tls_server_name, check_s=getattr(args, "tls_reload_check_s", 5.0))
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    security = SecurityConfig(
+        tls=tls_config(args), api_keys=getattr(args, "api_keys", None),
+        api_keys_file=getattr(args, "api_keys_file", None),
+        internal_secret=args.internal_secret, internal_secret_file=args.internal_secret_file,
+    )
     return ServerConfig(
         host=args.host, port=args.port, advertise_host=args.advertise_host,
-        metrics_port=args.metrics_port, ready_file=args.ready_file,
-        log_level=args.log_level, drain_timeout_s=args.drain_timeout_s,
+        metrics_port=args.metrics_port, health_port=args.health_port, ready_file=args.ready_file,
+        log_level=args.log_level, drain_grace_s=args.drain_grace_s, drain_timeout_s=args.drain_timeout_s,
+        security=security,
     )
 
 
@@ -174,7 +237,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_server_flags(p, default_port=0)
     add_engine_flags(p, default_model)
-    add_flag(p, "--gateway", default="127.0.0.1:50051", help="gateway address to register with")
+    add_flag(p, "--gateway", default="127.0.0.1:50052", help="the gateway's internal address (its registry)")
     add_flag(p, "--transport", default="auto", choices=list(TRANSPORTS), help="KV transport")
     add_flag(p, "--transfer-timeout-s", type=float, default=30.0, help="KV channel op timeout")
     add_flag(p, "--max-reservations-per-request", type=int, default=8,
@@ -194,6 +257,11 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_server_flags(p, default_port=50051)
+    add_flag(p, "--internal-port", type=int, default=50052,
+             help="port of the worker registry (internal: mTLS or the shared secret; 0: ephemeral)")
+    add_flag(p, "--api-keys", default=None,
+             help="accepted API keys, comma-separated (prefer the variable or --api-keys-file)")
+    add_flag(p, "--api-keys-file", default=None, help="file of accepted API keys, one a line")
     add_flag(p, "--model", default=default_model, help="checkpoint directory or .gguf file (tokenizer, limits)")
     add_flag(p, "--max-model-len", type=int, default=None, help="cap on prompt + output")
     add_flag(p, "--local-prefill-max-tokens", type=int, default=32,
@@ -216,4 +284,5 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         heartbeat_period_ms=args.heartbeat_period_ms, heartbeat_miss_count=args.heartbeat_miss_count,
         max_in_flight=args.max_in_flight, reservation_wait_ms=args.reservation_wait_ms,
         lease_ms=args.lease_ms, startup_grace_s=args.startup_grace_s, max_migrations=args.max_migrations,
+        internal_port=args.internal_port,
     )

@@ -21,6 +21,8 @@ from plumbing.identity import mint_id
 from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
 from plumbing.metrics import WorkerMetrics, serve_metrics
 from plumbing.registration import RegistrationClient
+from plumbing.security import Security
+from plumbing.servers import INTERNAL, Servers, write_ready_file
 from splitserve.v1 import common_pb2
 
 T = TypeVar("T")
@@ -38,6 +40,8 @@ class EngineServicer:
         self.engine = engine
         self.incarnation = mint_id()  # this process start (plumbing.identity)
         self.metrics = WorkerMetrics.create(self.role_name)
+        self.security = Security.from_config(config.server.security)
+        self.channel_security = self.security.channels()  # every client channel of this process
         self.loop = asyncio.get_running_loop()
         self.queues: dict[str, asyncio.Queue[Any]] = {}
         # Request id -> its current stream, done once the stream ended and its cleanup ran.
@@ -161,38 +165,44 @@ async def serve_worker(
     add_to_server: Callable[[Any, grpc.aio.Server], None],
     service_name: str,
 ) -> None:
-    """Build the engine, serve until SIGTERM/SIGINT, then drain and exit."""
+    """Build the engine, serve until SIGTERM/SIGINT, then drain and exit.
+
+    A worker has only internal RPCs: its ``--port`` is an internal surface (mTLS and/or the
+    shared secret, ``plumbing/servers.py``); ``--health-port`` serves probes."""
     install_loop_exception_handler()
     engine = Engine(config.engine)
     adopt_library_loggers()  # transformers attached its own stderr handler on import
     worker = make_worker(config, engine)
     worker.engine_thread.start()
-    server = rpc.make_server()
-    add_to_server(worker, server)
-    health = rpc.add_health_and_reflection(server, [service_name])
-    address = rpc.bind_port(server, config.server.host, config.server.port)
+    servers = Servers(worker.security, worker.metrics.count_auth_failure)
+    address = servers.add(INTERNAL, config.server.host, config.server.port,
+                          [lambda server: add_to_server(worker, server)], [service_name])
+    health_address = servers.add_health(config.server.host, config.server.health_port)
     public = f"{config.server.public_host}:{address.rsplit(':', 1)[1]}"
-    await server.start()
+    await servers.start()
     metrics_port = serve_metrics(worker.metrics.registry, config.server.host, config.server.metrics_port)
-    await rpc.set_serving(health, [service_name], True)
+    await servers.set_serving(True)
     worker.registration = RegistrationClient(
         config.gateway, worker.role, public, Path(config.engine.model).name,
         kv_layout_to_proto(engine.kv_layout), worker.load_snapshot, worker.incarnation,
+        security=worker.channel_security,
     )
     worker.registration.start()
-    log.info("worker.serving", role=worker.role_name, address=public, metrics_port=metrics_port,
-             kv_blocks=engine.kv.num_blocks)
+    reloads = asyncio.ensure_future(worker.security.watch())
+    log.info("worker.serving", role=worker.role_name, address=public, health_address=health_address,
+             metrics_port=metrics_port, kv_blocks=engine.kv.num_blocks, **worker.security.describe())
     if config.server.ready_file:
-        Path(config.server.ready_file).write_text(public)
+        write_ready_file(config.server.ready_file, [public, *([health_address] if health_address else [])])
     await rpc.wait_for_signal()
-    log.info("worker.draining", role=worker.role_name)
-    await rpc.set_serving(health, [service_name], False)
+    log.info("worker.draining", role=worker.role_name, grace_s=config.server.drain_grace_s)
     worker.registration.state = common_pb2.WORKER_STATE_DRAINING
     try:
-        await worker.registration.beat_once()
+        await worker.registration.beat_once()  # the gateway routes nothing new here from now on
     except grpc.aio.AioRpcError:
         pass
-    await server.stop(config.server.drain_timeout_s)
+    await servers.drain(config.server.drain_grace_s, config.server.drain_timeout_s)
+    reloads.cancel()
     await worker.registration.stop()
     worker.engine_thread.stop()
     log.info("worker.stopped", role=worker.role_name)
+

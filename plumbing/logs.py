@@ -91,8 +91,14 @@ def _install_excepthooks() -> None:
         log.error("thread_exception", thread=args.thread.name if args.thread else None,
                   exc_info=(args.exc_type, args.exc_value, args.exc_traceback))  # type: ignore[arg-type]
 
+    def unraisable(args: sys.UnraisableHookArgs) -> None:  # a __del__ or a finalizer that raised
+        log.error("unraisable_exception", message=args.err_msg or "Exception ignored in",
+                  source=repr(args.object)[:300] if args.object is not None else None,
+                  exc_info=(args.exc_type, args.exc_value, args.exc_traceback))  # type: ignore[arg-type]
+
     sys.excepthook = main_thread
     threading.excepthook = other_thread
+    sys.unraisablehook = unraisable
 
 
 def install_loop_exception_handler() -> None:

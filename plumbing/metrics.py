@@ -22,6 +22,12 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int | No
     return int(server.server_port)
 
 
+def auth_failures_counter(registry: CollectorRegistry) -> Counter:
+    """Calls refused UNAUTHENTICATED, by surface (public, internal) and reason (missing, invalid)."""
+    return Counter("splitserve_auth_failures", "Calls refused for a missing or wrong token",
+                   ["surface", "reason"], registry=registry)
+
+
 @dataclass
 class GatewayMetrics:
     registry: CollectorRegistry
@@ -33,6 +39,10 @@ class GatewayMetrics:
     workers: Gauge
     retries: Counter
     migrations: Counter
+    auth_failures: Counter
+
+    def count_auth_failure(self, surface: str, reason: str) -> None:
+        self.auth_failures.labels(surface=surface, reason=reason).inc()
 
     @classmethod
     def create(cls) -> GatewayMetrics:
@@ -49,6 +59,7 @@ class GatewayMetrics:
             retries=Counter("splitserve_request_retries", "Requests re-routed before any token", registry=r),
             migrations=Counter("splitserve_request_migrations",
                                "Streams continued on another decode worker after tokens were sent", registry=r),
+            auth_failures=auth_failures_counter(r),
         )
 
 
@@ -69,7 +80,11 @@ class WorkerMetrics:
     spec_draft_tokens: Counter
     spec_accepted_tokens: Counter
     spec_accepted_per_position: Counter
+    auth_failures: Counter
     _spec_seen: dict = None  # type: ignore[assignment]
+
+    def count_auth_failure(self, surface: str, reason: str) -> None:
+        self.auth_failures.labels(surface=surface, reason=reason).inc()
 
     def observe_spec(self, stats: object) -> None:
         """Advance the speculative-decoding counters to the engine's running totals."""
@@ -122,6 +137,7 @@ class WorkerMetrics:
             spec_accepted_tokens=counter("splitserve_spec_decode_accepted_tokens", "Draft tokens accepted"),
             spec_accepted_per_position=counter("splitserve_spec_decode_accepted_per_position",
                                                "Drafts whose token at this position was accepted", ["position"]),
+            auth_failures=auth_failures_counter(r),
         )
         metrics._role = role
         return metrics

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from plumbing.rpc import channel_options
+from plumbing.channels import ChannelSecurity, PeerChannel
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
@@ -33,9 +33,10 @@ class RegistrationClient:
         kv_layout: common_pb2.KVLayout,
         load: Callable[[], common_pb2.WorkerLoad],
         incarnation: int,
+        security: ChannelSecurity | None = None,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(gateway_address, options=channel_options())
-        self._stub = gateway_pb2_grpc.WorkerRegistryStub(self._channel)
+        # The gateway's internal port: mTLS and/or the shared secret (plumbing/channels.py).
+        self._channel = PeerChannel(gateway_address, security or ChannelSecurity())
         self._role = role
         self._address = address
         self._model = model
@@ -49,7 +50,7 @@ class RegistrationClient:
         self._task: asyncio.Task[None] | None = None
 
     async def register(self) -> int:
-        resp = await self._stub.RegisterWorker(
+        resp = await self._stub().RegisterWorker(
             gateway_pb2.RegisterWorkerRequest(
                 role=self._role, address=self._address, model=self._model,
                 kv_layout=self._layout, load=self._load(), incarnation=self.incarnation,
@@ -62,6 +63,9 @@ class RegistrationClient:
         log.info("registry.registered", worker_id=self.worker_id, period_s=self.period_s)
         return self.worker_id
 
+    def _stub(self) -> gateway_pb2_grpc.WorkerRegistryStub:
+        return self._channel.stub(gateway_pb2_grpc.WorkerRegistryStub)
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._beat_forever())
 
@@ -69,7 +73,7 @@ class RegistrationClient:
         if self.worker_id is None:
             await self.register()
             return
-        resp = await self._stub.Heartbeat(
+        resp = await self._stub().Heartbeat(
             gateway_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load(), state=self.state,
                                          incarnation=self.incarnation),
             timeout=max(self.period_s, 1.0),

@@ -131,8 +131,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(
                 _unary(handler.unary_unary, method, mapped), deserialize, handler.response_serializer)
         if handler.unary_stream is not None:
+            wrap = _unary_stream if inspect.isasyncgenfunction(handler.unary_stream) else _unary_writer
             return grpc.unary_stream_rpc_method_handler(
-                _unary_stream(handler.unary_stream, method, mapped), deserialize, handler.response_serializer)
+                wrap(handler.unary_stream, method, mapped), deserialize, handler.response_serializer)
         if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
             return grpc.stream_stream_rpc_method_handler(
                 _stream_stream(handler.stream_stream, method), deserialize, handler.response_serializer)
@@ -176,6 +177,25 @@ def _unary_stream(inner: Callable[..., AsyncIterator[Any]], method: str,
     return stream
 
 
+def _unary_writer(inner: Callable[..., Awaitable[None]], method: str,
+                  mapped: bool) -> Callable[..., Awaitable[None]]:
+    """A server-streaming handler written as a coroutine that calls ``context.write`` (the
+    health service's ``Watch``): awaited, not iterated."""
+    async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, request, method)
+        if mapped:
+            _bind(context, method)
+        result = inner(request, context)
+        if inspect.isasyncgen(result):  # a plain function that returns a generator
+            async for item in result:
+                await context.write(item)
+        else:
+            await result
+
+    return writer
+
+
 def _stream_stream(inner: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
     async def stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async def checked() -> AsyncIterator[Any]:
@@ -198,10 +218,12 @@ def _bind(context: grpc.aio.ServicerContext, method: str) -> None:
     structlog.contextvars.bind_contextvars(rpc=method.rsplit("/", 1)[-1])
 
 
-def make_server(options: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Server:
-    """A ``grpc.aio`` server with the error interceptor and the message-size limit."""
+def make_server(options: Iterable[tuple[str, Any]] = (),
+                interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> grpc.aio.Server:
+    """A ``grpc.aio`` server with the message-size limit and ``interceptors`` (default: the
+    error interceptor alone; ``plumbing/servers.py`` puts authentication before it)."""
     return grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor()],
+        interceptors=interceptors if interceptors is not None else [ErrorMappingInterceptor()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -229,14 +251,6 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
         await servicer.set(name, status)
 
 
-def bind_port(server: grpc.aio.Server, host: str, port: int) -> str:
-    """Bind an insecure port (0: ephemeral); returns the ``host:port`` clients should use."""
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
-    return f"{host}:{bound}"
-
-
 def channel_options() -> list[tuple[str, Any]]:
     """Options of every channel between the services. Reconnection backs off to at most 1 s
     (gRPC's default grows to 120 s), so a peer restarted on the same address is reached again
@@ -252,9 +266,15 @@ def channel_options() -> list[tuple[str, Any]]:
 
 
 async def wait_for_signal() -> None:
-    """Return on the first SIGTERM or SIGINT."""
+    """Return on the first SIGTERM or SIGINT. Later ones are ignored for the rest of the
+    process's life (the drain is under way; SIGKILL still ends it): left to the event loop,
+    the default action would come back when the loop closes, and a repeated signal (a process
+    group signalled twice) would kill the process on its way out, after a clean drain."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)

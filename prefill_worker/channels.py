@@ -29,7 +29,8 @@ import torch
 from engine.kv_layout import KVLayout
 from plumbing.blocking import DaemonCalls
 from plumbing.convert import kv_layout_to_proto
-from plumbing.rpc import ServiceError, channel_options
+from plumbing.channels import ChannelSecurity, PeerChannel
+from plumbing.rpc import ServiceError
 from plumbing.transport import KVChannel, TransportUnavailable
 from splitserve.v1 import decode_pb2_grpc, kv_transfer_pb2
 
@@ -43,12 +44,15 @@ class Peer:
     """A decode worker and the open channel to it."""
 
     address: str
-    stub: decode_pb2_grpc.DecodeWorkerStub
-    grpc_channel: grpc.aio.Channel
+    rpc_channel: PeerChannel  # gRPC to the decode worker (TLS, the shared secret, rotation)
     channel: KVChannel | None = None
     channel_id: int = 0
     incarnation: int = 0  # the decode incarnation the channel was opened with
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def stub(self) -> decode_pb2_grpc.DecodeWorkerStub:
+        return self.rpc_channel.stub(decode_pb2_grpc.DecodeWorkerStub)
 
     def drop_channel(self, reason: str) -> None:
         if self.channel is not None:
@@ -59,7 +63,7 @@ class Peer:
 
 class ChannelPool:
     def __init__(self, layout: KVLayout, transport: str, host: str, device: str, timeout_s: float,
-                 incarnation: int, fault_stall_s: float = 0.0) -> None:
+                 incarnation: int, fault_stall_s: float = 0.0, security: ChannelSecurity | None = None) -> None:
         self.layout = layout
         self.transport = transport
         self.host = host
@@ -67,6 +71,7 @@ class ChannelPool:
         self.timeout_s = timeout_s
         self.incarnation = incarnation
         self.fault_stall_s = fault_stall_s
+        self.security = security or ChannelSecurity()
         self.worker_id = 0  # set once registered
         self._peers: dict[str, Peer] = {}
         self._accepts: DaemonCalls[KVChannel] = DaemonCalls(
@@ -75,8 +80,7 @@ class ChannelPool:
     def peer(self, address: str) -> Peer:
         peer = self._peers.get(address)
         if peer is None:
-            grpc_channel = grpc.aio.insecure_channel(address, options=channel_options())
-            peer = Peer(address, decode_pb2_grpc.DecodeWorkerStub(grpc_channel), grpc_channel)
+            peer = Peer(address, PeerChannel(address, self.security))
             self._peers[address] = peer
         return peer
 
@@ -162,7 +166,7 @@ class ChannelPool:
     async def close(self) -> None:
         for peer in self._peers.values():
             peer.drop_channel("shutdown")
-            await peer.grpc_channel.close()
+            await peer.rpc_channel.close()
         self._peers.clear()
 
 

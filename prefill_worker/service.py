@@ -39,6 +39,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         self.channels = ChannelPool(
             engine.kv_layout, config.resolved_transport(), config.server.public_host,
             config.engine.device, config.transfer_timeout_s, self.incarnation, config.fault_transfer_stall_s,
+            security=self.channel_security,
         )
         self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request
         self._num_held_blocks = 0  # their sum (engine thread writes, heartbeats read an int)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def _run_service(args: argparse.Namespace) -> int:
     from plumbing.logs import configure_logging
 
     configure_logging(args.command, args.log_level)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the service listens for it (a reload)
     try:
         if args.command == "gateway":
             from gateway.server import serve_gateway
@@ -176,14 +178,22 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from splitserve.client import ClientAuth
+
+    if args.address is None:
+        args.address = f"127.0.0.1:{args.health_port if args.health_port >= 0 else 50051}"
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        auth = ClientAuth() if args.plaintext else ClientAuth.from_args(args)
+        with auth.channel(args.address, options=[]) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s
             )
     except grpc.RpcError as exc:
         sys.stderr.write(f"{args.address}: {exc.code().name}\n")
         return 1
+    except ValueError as exc:  # a TLS file that cannot be read
+        sys.stderr.write(f"splitserve health: {exc}\n")
+        return 2
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
     sys.stderr.write(f"{args.address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}\n")
     return 0 if serving else 1
@@ -214,6 +224,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                      help="a user message: the model's chat template is applied, the answer streamed")
     gen.add_argument("--system", default=None, help="(--chat) a system message before it")
     cfg.add_flag(gen, "--gateway", default="127.0.0.1:50051", help="gateway address")
+    add_client_security_flags(gen)
     gen.add_argument("--wait-s", type=float, default=60.0,
                      help="wait this long for the gateway and a decode worker to be up")
     gen.add_argument("--timeout-s", type=float, default=120.0, help="request deadline")
@@ -233,6 +244,14 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--num-speculative-tokens", type=int, default=4)
     gen.add_argument("--draft-model", default=str(BUNDLED_MODEL.parent / "draft"))
     gen.set_defaults(func=_generate)
+
+
+def add_client_security_flags(p: argparse.ArgumentParser) -> None:
+    """TLS toward the server (``--tls-ca`` to verify it) and the API key to send."""
+    from plumbing import config as cfg
+
+    cfg.add_tls_flags(p)
+    cfg.add_flag(p, "--token", default=None, help="API key sent as 'authorization: Bearer' (prefer the variable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,9 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=_fetch)
 
     hc = sub.add_parser("health", help="check a server's grpc.health.v1 status (exit 0: SERVING)")
-    hc.add_argument("--address", default="127.0.0.1:50051")
+    hc.add_argument("--address", default=None, help="host:port (default: 127.0.0.1:--health-port, else :50051)")
+    cfg.add_flag(hc, "--health-port", type=int, default=-1,
+                 help="without --address, check this port on 127.0.0.1 (a service's probe port)")
     hc.add_argument("--service", default="", help="service name ('' = the whole server)")
     hc.add_argument("--timeout-s", type=float, default=2.0)
+    add_client_security_flags(hc)
+    hc.add_argument("--plaintext", action="store_true",
+                    help="no TLS whatever SPLITSERVE_TLS_* say (the --health-port is plaintext)")
     hc.set_defaults(func=_health)
 
     up = sub.add_parser("up", help="run gateway + prefill + decode workers on this machine")
@@ -274,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_flag(up, "--local-prefill-max-tokens", type=int, default=32,
                  help="gateway: prompts shorter than this prefill on the decode worker (0: never)")
     cfg.add_flag(up, "--log-dir", default=None, help="write each service's log here (default: inherit stderr)")
+    cfg.add_flag(up, "--tls", action="store_true",
+                 help="make a throwaway CA and certificate (in --log-dir, else a temporary folder): "
+                      "TLS on every port, mTLS between the services")
     up.add_argument("service_args", nargs=argparse.REMAINDER,
                     help="after --: extra flags for every worker (e.g. -- --speculative ngram)")
     up.set_defaults(func=_up)
@@ -281,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs to stderr on its own (a refused TLS handshake is an INFO line), outside
+    # the JSON lines: errors only, unless the environment asks for more. Set before gRPC loads.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

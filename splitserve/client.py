@@ -6,12 +6,47 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from plumbing.auth import bearer_metadata
 from plumbing.rpc import channel_options
+from plumbing.tls import TlsConfig, load_material
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+@dataclass(frozen=True)
+class ClientAuth:
+    """How a client reaches the gateway's public port: TLS (verify the gateway against
+    ``tls.ca_file``, the system's roots without one; present ``tls.cert_file`` when given)
+    and the API key sent as ``authorization: Bearer``. The default: plaintext, no key."""
+
+    tls: TlsConfig | None = None
+    token: str | None = None
+
+    def channel(self, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
+        """A blocking ``grpc`` channel to ``address``."""
+        options = [*(options if options is not None else channel_options())]
+        if self.tls is None:
+            return grpc.insecure_channel(address, options=options)
+        m = load_material(self.tls)
+        if self.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(m.ca, m.key, m.cert), options=options)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self.token)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClientAuth:
+        """``--tls-ca``/``--tls-cert``/``--tls-key``/``--tls-server-name`` and ``--token``."""
+        tls = None
+        if args.tls_ca or args.tls_cert:
+            tls = TlsConfig(cert_file=args.tls_cert, key_file=args.tls_key, ca_file=args.tls_ca,
+                            server_name=args.tls_server_name)
+        return cls(tls=tls, token=args.token)
 
 
 # A conversation: (role, content) turns, role "system", "user" or "assistant".
@@ -58,15 +93,17 @@ def make_chat_request(turns: Chat, max_new_tokens: int, **kwargs: Any) -> gatewa
     return make_request(chat_messages(turns), max_new_tokens, **kwargs)
 
 
-def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s: float) -> gateway_pb2.GetInfoResponse:
+def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s: float,
+                     auth: ClientAuth | None = None) -> gateway_pb2.GetInfoResponse:
     """Poll ``GetInfo`` until the gateway lists enough serving workers of each role."""
+    auth = auth or ClientAuth()
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
-    with grpc.insecure_channel(address, options=channel_options()) as channel:
+    with auth.channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         while time.monotonic() < deadline:
             try:
-                info = stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=2.0)
+                info = stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=2.0, metadata=auth.metadata())
                 roles = [w.role for w in info.workers if w.state == common_pb2.WORKER_STATE_SERVING]
                 if (roles.count(common_pb2.WORKER_ROLE_PREFILL) >= num_prefill
                         and roles.count(common_pb2.WORKER_ROLE_DECODE) >= num_decode):
@@ -88,21 +125,22 @@ def cli_chat_turns(args: argparse.Namespace) -> list[tuple[str, str]] | None:
 def stream_to_terminal(args: argparse.Namespace) -> int:
     """``splitserve generate``: stream text to stdout; the finish reason and timings to stderr."""
     try:
-        wait_for_workers(args.gateway, args.min_prefill_workers, 1, args.wait_s)
-    except TimeoutError as exc:
+        auth = ClientAuth.from_args(args)
+        wait_for_workers(args.gateway, args.min_prefill_workers, 1, args.wait_s, auth)
+    except (TimeoutError, ValueError) as exc:
         sys.stderr.write(f"splitserve generate: {exc}\n")
         return 1
     turns = cli_chat_turns(args)
     prompt = args.prompt if turns is None else chat_messages(turns)
     request = make_request(prompt, args.max_tokens, args.temperature, args.top_p, args.top_k,
                            args.seed, args.stop)
-    with grpc.insecure_channel(args.gateway, options=channel_options()) as channel:
+    with auth.channel(args.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         if turns is None:  # a completion continues the prompt; a chat answer stands alone
             sys.stdout.write(args.prompt)
             sys.stdout.flush()
         try:
-            for chunk in stub.Generate(request, timeout=args.timeout_s):
+            for chunk in stub.Generate(request, timeout=args.timeout_s, metadata=auth.metadata()):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.finish_reason:

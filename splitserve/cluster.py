@@ -3,7 +3,8 @@
 Each service is its own process (``python -m splitserve.cli <role> ...``), so a crash or a
 ``kill -9`` of one behaves as it would in a deployment. SIGINT/SIGTERM to ``up`` sends
 SIGTERM to every child (health NOT_SERVING, drain, exit), waits for them, and kills any
-that outlive the grace period.
+that outlive the grace period; SIGHUP is passed on (the services reload their TLS and key
+files).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from pathlib import Path
 import structlog
 
 from plumbing.logs import configure_logging
+from plumbing.tls import TlsConfig
+from splitserve.certs import Bundle, write_bundle
+from splitserve.client import ClientAuth
 
 log = structlog.get_logger()
 
@@ -47,7 +51,8 @@ class Cluster:
                  threads: int = 1, gateway_flags: list[str] | None = None,
                  worker_flags: list[str] | None = None, prefill_flags: list[str] | None = None,
                  decode_flags: list[str] | None = None, metrics_port: int = -1,
-                 log_dir: str | None = None, log_level: str = "info") -> None:
+                 log_dir: str | None = None, log_level: str = "info", tls: Bundle | None = None,
+                 api_keys: list[str] | None = None) -> None:
         self.model = model
         self.port = port
         self.num_prefill = num_prefill
@@ -64,6 +69,34 @@ class Cluster:
         self.addresses: dict[str, str] = {}
         self._commands: dict[str, tuple[str, list[str]]] = {}  # name -> (role, flags), for restart
         self._tmp = tempfile.TemporaryDirectory(prefix="splitserve-")
+        # TLS on every port and channel (mTLS inside) with one throwaway set (splitserve/certs.py),
+        # API keys on the public port; ``client`` is what a client of this cluster needs.
+        self.tls = tls
+        self.api_keys = api_keys or []
+        self.client = ClientAuth(
+            tls=TlsConfig(cert_file=str(tls.cert), key_file=str(tls.key), ca_file=str(tls.ca)) if tls else None,
+            token=self.api_keys[0] if self.api_keys else None)
+
+    def _security_flags(self) -> list[str]:
+        """Flags every service gets: the TLS set, and no health port (an inherited
+        ``SPLITSERVE_HEALTH_PORT`` would make them all bind the same one)."""
+        return [*(self.tls.flags() if self.tls else []), "--health-port", "-1"]
+
+    def _gateway_flags(self) -> list[str]:
+        flags = ["--model", self.model, "--port", str(self.port), "--internal-port", "0", *self._metrics(0)]
+        if self.api_keys:
+            keys = Path(self._tmp.name) / "api-keys"
+            keys.write_text("\n".join(self.api_keys) + "\n")
+            flags += ["--api-keys-file", str(keys)]
+        return [*flags, *self._security_flags(), *self.gateway_flags]
+
+    def _ready(self, name: str, proc: subprocess.Popen[bytes], ready: Path, timeout_s: float) -> str:
+        """Wait for ``name``'s ready file; record its address (the gateway's internal one too)."""
+        lines = wait_ready(ready, proc, timeout_s).splitlines()
+        self.addresses[name] = lines[0]
+        if name == "gateway":
+            self.addresses["gateway-internal"] = lines[1]
+        return lines[0]
 
     def _spawn(self, name: str, role: str, flags: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
         ready = Path(self._tmp.name) / f"{name}.addr"
@@ -84,12 +117,11 @@ class Cluster:
 
     def start(self, timeout_s: float = 120.0) -> str:
         """Start everything; return the gateway address once every worker registered."""
-        gw, ready = self._spawn("gateway", "gateway", [
-            "--model", self.model, "--port", str(self.port), *self._metrics(0), *self.gateway_flags])
-        self.addresses["gateway"] = wait_ready(ready, gw, timeout_s)
+        gw, ready = self._spawn("gateway", "gateway", self._gateway_flags())
+        self._ready("gateway", gw, ready, timeout_s)
         waiting = []
-        common = ["--model", self.model, "--gateway", self.addresses["gateway"],
-                  "--threads", str(self.threads), *self.worker_flags]
+        common = ["--model", self.model, "--gateway", self.addresses["gateway-internal"],
+                  "--threads", str(self.threads), *self._security_flags(), *self.worker_flags]
         for i in range(self.num_prefill):
             waiting.append((f"prefill-{i}", *self._spawn(
                 f"prefill-{i}", "prefill", [*common, *self._metrics(1 + i), *self.prefill_flags])))
@@ -98,14 +130,14 @@ class Cluster:
                 f"decode-{i}", "decode",
                 [*common, *self._metrics(1 + self.num_prefill + i), *self.decode_flags])))
         for name, proc, ready in waiting:
-            self.addresses[name] = wait_ready(ready, proc, timeout_s)
+            self._ready(name, proc, ready, timeout_s)
         self._wait_registered(timeout_s)
         return self.addresses["gateway"]
 
     def _wait_registered(self, timeout_s: float) -> None:
         from splitserve.client import wait_for_workers
 
-        wait_for_workers(self.addresses["gateway"], self.num_prefill, self.num_decode, timeout_s)
+        wait_for_workers(self.addresses["gateway"], self.num_prefill, self.num_decode, timeout_s, self.client)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one service and wait for it to exit; its exit code."""
@@ -120,9 +152,11 @@ class Cluster:
             raise RuntimeError(f"{name} is still running")
         role, flags = self._commands[name]
         port = self.addresses[name].rsplit(":", 1)[1]
-        proc, ready = self._spawn(name, role, [*flags, "--port", port])  # the last --port wins
-        self.addresses[name] = wait_ready(ready, proc, timeout_s)
-        return self.addresses[name]
+        again = [*flags, "--port", port]  # the last --port wins
+        if name == "gateway":
+            again += ["--internal-port", self.addresses["gateway-internal"].rsplit(":", 1)[1]]
+        proc, ready = self._spawn(name, role, again)
+        return self._ready(name, proc, ready, timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every child (workers first), wait, SIGKILL stragglers; return exit codes."""
@@ -157,11 +191,15 @@ class Cluster:
 def run_cluster(args: argparse.Namespace) -> int:
     configure_logging("up", args.log_level)
     extra = [a for a in args.service_args if a != "--"]
+    tls_dir = tempfile.TemporaryDirectory(prefix="splitserve-tls-") if args.tls and not args.log_dir else None
+    bundle = None
+    if args.tls:  # a throwaway CA and one certificate for every service (splitserve/certs.py)
+        bundle = write_bundle(Path(tls_dir.name) if tls_dir else Path(args.log_dir) / "tls")
     cluster = Cluster(
         model=args.model, port=args.port, num_prefill=args.num_prefill, num_decode=args.num_decode,
         threads=args.threads, worker_flags=extra, metrics_port=args.metrics_port,
         gateway_flags=["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)],
-        log_dir=args.log_dir, log_level=args.log_level,
+        log_dir=args.log_dir, log_level=args.log_level, tls=bundle,
     )
     stopping = False
 
@@ -169,16 +207,24 @@ def run_cluster(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
+    def reload(signum: int, frame: object) -> None:  # SIGHUP: every service re-reads its TLS and key files
+        for proc in cluster.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGHUP)
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, reload)
     try:
         address = cluster.start()
     except (RuntimeError, TimeoutError) as exc:
         log.error("up.failed", error=str(exc))
         cluster.stop(grace_s=5)
         return 1
+    tls_flag = f" --tls-ca {bundle.ca}" if bundle else ""
     log.info("up.ready", gateway=address, num_prefill=args.num_prefill, num_decode=args.num_decode,
-             hint=f"splitserve generate --gateway {address} 'def fibonacci(n):'")
+             tls_ca=str(bundle.ca) if bundle else None,
+             hint=f"splitserve generate --gateway {address}{tls_flag} 'def fibonacci(n):'")
     while not stopping:
         dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
         if dead:
@@ -186,5 +232,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             break
         time.sleep(0.2)
     codes = cluster.stop()
+    if tls_dir is not None:
+        tls_dir.cleanup()
     log.info("up.stopped", exit_codes=codes)
     return 0 if all(c == 0 for c in codes.values()) and stopping else 1

@@ -22,7 +22,7 @@ COMMON = frozenset({"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EX
 @dataclass(frozen=True)
 class Method:
     path: str  # "/splitserve.v1.Gateway/Generate"
-    target: str  # "gateway" | "prefill" | "decode": which process serves it
+    target: str  # "gateway" | "gateway-internal" | "prefill" | "decode": which server serves it
     request_type: type[Message]
     streaming: bool = False  # server streaming
     also: frozenset[str] = frozenset()  # documented besides COMMON
@@ -46,8 +46,8 @@ GATEWAY = [
     _m("/splitserve.v1.Gateway/GetInfo", "gateway", gateway_pb2.GetInfoRequest),
 ]
 REGISTRY = [
-    _m("/splitserve.v1.WorkerRegistry/RegisterWorker", "gateway", gateway_pb2.RegisterWorkerRequest),
-    _m("/splitserve.v1.WorkerRegistry/Heartbeat", "gateway", gateway_pb2.HeartbeatRequest),
+    _m("/splitserve.v1.WorkerRegistry/RegisterWorker", "gateway-internal", gateway_pb2.RegisterWorkerRequest),
+    _m("/splitserve.v1.WorkerRegistry/Heartbeat", "gateway-internal", gateway_pb2.HeartbeatRequest),
 ]
 WORKERS = [
     _m("/splitserve.v1.DecodeWorker/Decode", "decode", decode_pb2.DecodeRequest, True, "UNAVAILABLE"),

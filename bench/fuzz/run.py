@@ -40,7 +40,8 @@ def _flood_cases(profile: FuzzProfile, seed: int, vocab_size: int) -> dict[str, 
 async def _families(cluster: ChaosCluster, profile: FuzzProfile, seed: int, vocab_size: int,
                     results: list[Result]) -> None:
     decode, prefill = cluster.addresses["decode-0"], cluster.addresses["prefill-0"]
-    targets = {"gateway": cluster.addresses["gateway"], "decode": decode, "prefill": prefill}
+    targets = {"gateway": cluster.addresses["gateway"], "gateway-internal": cluster.addresses["gateway-internal"],
+               "decode": decode, "prefill": prefill}
     structured = fuzz_cases.structured(profile, seed, vocab_size, decode)
     bases: dict[str, list[bytes]] = defaultdict(list)
     for method, payload, _ in structured:
@@ -106,7 +107,7 @@ def run_fuzz(profile: FuzzProfile, seed: int, model: str = DEFAULT_MODEL, log_di
         "--max-in-flight", str(profile.max_in_flight), "--heartbeat-period-ms", str(profile.heartbeat_period_ms)])
     results: list[Result] = []
     cluster.start()
-    probe = HeartbeatProbe(cluster.addresses["gateway"], profile.heartbeat_period_ms / 1000)
+    probe = HeartbeatProbe(cluster.addresses["gateway-internal"], profile.heartbeat_period_ms / 1000)
     probe.start()
 
     async def main() -> dict:

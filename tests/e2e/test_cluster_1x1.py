@@ -60,7 +60,8 @@ def reference() -> tuple[list[list[int]], list[list[int]]]:
 
 def test_health_serving_and_reflection_on_every_server(cluster: Cluster) -> None:
     expected = {
-        "gateway": {"splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"},
+        "gateway": {"splitserve.v1.Gateway"},
+        "gateway-internal": {"splitserve.v1.WorkerRegistry"},
         "prefill-0": {"splitserve.v1.PrefillWorker"},
         "decode-0": {"splitserve.v1.DecodeWorker"},
     }

@@ -93,7 +93,7 @@ def _wait_reregistered(cluster: Cluster, names: list[str], before: dict[str, int
 def test_undecodable_bytes_get_invalid_argument_from_every_service(cluster: Cluster) -> None:
     noise = bytes(random.Random(5).randrange(256) for _ in range(40))
     cases = [("gateway", "/splitserve.v1.Gateway/GenerateUnary", b"\x0a\x02\xff\xfe"),  # prompt.text: bad UTF-8
-             ("gateway", "/splitserve.v1.WorkerRegistry/Heartbeat", b"\x0a\x05ab")]  # truncated
+             ("gateway-internal", "/splitserve.v1.WorkerRegistry/Heartbeat", b"\x0a\x05ab")]  # truncated
     for name, service, method in (("decode-0", "DecodeWorker", "GetStats"), ("decode-0", "DecodeWorker", "Decode"),
                                   ("prefill-0", "PrefillWorker", "Prefill")):
         cases += [(name, f"/splitserve.v1.{service}/{method}", payload) for payload in (b"\x00\x01", noise)]

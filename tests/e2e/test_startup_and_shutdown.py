@@ -100,11 +100,12 @@ def _health(address: str) -> int:
 
 
 def test_a_started_gateway_is_not_serving_until_a_decode_worker_registered(tmp_path: Path) -> None:
-    proc = _service("gateway", ["--model", MODEL, "--port", "0", "--startup-grace-s", "600"], tmp_path / "ready")
+    proc = _service("gateway", ["--model", MODEL, "--port", "0", "--internal-port", "0", "--startup-grace-s", "600"],
+                    tmp_path / "ready")
     try:
-        address = wait_ready(tmp_path / "ready", proc, 120)
+        address, internal = wait_ready(tmp_path / "ready", proc, 120).splitlines()
         assert _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
-        with grpc.insecure_channel(address) as channel:
+        with grpc.insecure_channel(internal) as channel:  # the registry is on the internal port
             registry = gateway_pb2_grpc.WorkerRegistryStub(channel)
             load = common_pb2.WorkerLoad(kv_blocks_total=4, kv_blocks_free=4)
             registry.RegisterWorker(gateway_pb2.RegisterWorkerRequest(

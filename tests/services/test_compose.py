@@ -68,7 +68,9 @@ def test_ports_health_checks_and_wiring(compose: dict) -> None:
         metrics = env["SPLITSERVE_METRICS_PORT"]
         assert any(str(p).startswith(f"{metrics}:") for p in svc["ports"])
         if name != "gateway":
-            assert env["SPLITSERVE_GATEWAY"] == f"gateway:{gw_port}"
+            internal = services["gateway"]["environment"]["SPLITSERVE_INTERNAL_PORT"]
+            assert env["SPLITSERVE_GATEWAY"] == f"gateway:{internal}"  # the registry: never the public port
+            assert not any(str(p).startswith(f"{internal}:") for p in services["gateway"]["ports"])
             assert env["SPLITSERVE_ADVERTISE_HOST"] == name
             # The gateway is healthy only once a decode worker registered: workers must not wait for it.
             assert svc["depends_on"]["gateway"]["condition"] == "service_started"
@@ -83,6 +85,15 @@ def test_dockerfile_installs_the_package_and_builds_protos() -> None:
     for path in ("protos", "engine", "kernels", "gateway", "prefill_worker", "decode_worker", "splitserve", "models"):
         assert f"COPY {path} ./{path}" in text
     assert 'ENTRYPOINT ["splitserve"]' in text
+
+
+def test_the_image_runs_as_non_root_with_a_healthcheck() -> None:
+    lines = [line.split() for line in (ROOT / "Dockerfile").read_text().splitlines() if line.strip()]
+    users = [words[1] for words in lines if words[0] == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    text = (ROOT / "Dockerfile").read_text()
+    assert "SPLITSERVE_HEALTH_PORT=8081" in text
+    assert 'CMD ["splitserve", "health", "--plaintext"]' in text
 
 
 def test_the_image_fetches_the_default_model_that_compose_serves(compose: dict) -> None:

@@ -107,10 +107,12 @@ def test_dropping_a_worker_keeps_its_channel_open_while_requests_are_on_it() -> 
         reg.drop(busy, "test")
         assert busy not in reg.workers and reg.pick_decode(set()) is None
         await asyncio.sleep(0)
-        assert entry.channel.get_state() is not None and entry in reg._retired  # not closed yet
+        assert not entry.channel.closed and entry in reg._retired  # not closed yet
         entry.num_routed = 0
         reg._close_idle_retired()
         assert reg._retired == []
+        await asyncio.sleep(0.01)
+        assert entry.channel.closed
         await reg.stop()
 
     asyncio.run(run())

@@ -150,13 +150,16 @@ class Cluster:
         incarnation at the same host:port); return that address once it is ready."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
+        proc, ready = self._spawn(name, *self.restart_command(name))
+        return self._ready(name, proc, ready, timeout_s)
+
+    def restart_command(self, name: str) -> tuple[str, list[str]]:
+        """``name``'s role and flags again, pinned to the ports it had (the last flag wins)."""
         role, flags = self._commands[name]
-        port = self.addresses[name].rsplit(":", 1)[1]
-        again = [*flags, "--port", port]  # the last --port wins
+        again = [*flags, "--port", self.addresses[name].rsplit(":", 1)[1]]
         if name == "gateway":
             again += ["--internal-port", self.addresses["gateway-internal"].rsplit(":", 1)[1]]
-        proc, ready = self._spawn(name, role, again)
-        return self._ready(name, proc, ready, timeout_s)
+        return role, again
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every child (workers first), wait, SIGKILL stragglers; return exit codes."""

@@ -64,9 +64,7 @@ class ChaosCluster(Cluster):
         returns when it is ready (monotonic)."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
-        role, flags = self._commands[name]
-        port = self.addresses[name].rsplit(":", 1)[1]
-        proc, ready = self._spawn(name, role, [*flags, "--port", port])  # the last --port wins
+        proc, ready = self._spawn(name, *self.restart_command(name))
         deadline = time.monotonic() + timeout_s
         while not (ready.exists() and ready.read_text()):
             if proc.poll() is not None:
@@ -75,8 +73,9 @@ class ChaosCluster(Cluster):
                 raise TimeoutError(f"{name} not ready after {timeout_s} s")
             await asyncio.sleep(0.01)
         self.expected_exit.discard(name)
-        if ready.read_text().strip() != self.addresses[name]:
-            raise RuntimeError(f"{name} came back on {ready.read_text()}, not {self.addresses[name]}")
+        address = ready.read_text().splitlines()[0]
+        if address != self.addresses[name]:
+            raise RuntimeError(f"{name} came back on {address}, not {self.addresses[name]}")
         return time.monotonic()
 
     def check_crashes(self) -> list[str]:

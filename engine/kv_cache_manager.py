@@ -31,7 +31,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from engine.block_hash import hash_block_tokens, max_cached_blocks
+from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
 
 
@@ -84,7 +85,7 @@ class KVCacheManager:
         since the last prompt token must run through the model to produce logits."""
         if not self.pool.enable_prefix_caching:
             return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = max_cached_blocks(request.num_tokens, self.block_size)
         hits: list[KVBlock] = []
         for block_hash in self._extend_hashes(request, max_hit_blocks)[:max_hit_blocks]:
             block = self.pool.lookup(block_hash)

@@ -29,6 +29,7 @@ class GatewayRequest:
     metrics: GatewayMetrics
     start: float = field(default_factory=time.monotonic)
     excluded: set[int] = field(default_factory=set)  # workers that failed this request
+    block_hashes: dict[int, list[bytes]] = field(default_factory=dict)  # the prompt's, by block size (routing)
     num_tokens: int = 0  # sent to the client
     last_emit: float = 0.0
     first_token_at: float = 0.0

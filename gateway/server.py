@@ -37,7 +37,8 @@ async def serve_gateway(config: GatewayConfig) -> None:
     model_name = Path(config.model).name
     metrics = GatewayMetrics.create()
     registry = Registry(model_name, config.heartbeat_period_ms, config.heartbeat_miss_count,
-                        startup_grace_s=config.startup_grace_s)
+                        startup_grace_s=config.startup_grace_s, routing=config.routing,
+                        routing_metrics=metrics.routing)
     service = GatewayService(config, registry, tokenizer, limits, metrics, model_name)
     server = rpc.make_server()
     gateway_pb2_grpc.add_GatewayServicer_to_server(service, server)

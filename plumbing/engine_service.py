@@ -18,6 +18,7 @@ from plumbing import rpc
 from plumbing.config import WorkerConfig
 from plumbing.convert import kv_layout_to_proto
 from plumbing.identity import mint_id
+from plumbing.kv_event_sender import KVEventSender
 from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
 from plumbing.metrics import WorkerMetrics, serve_metrics
 from plumbing.registration import RegistrationClient
@@ -139,6 +140,7 @@ async def serve_worker(
     worker.registration = RegistrationClient(
         config.gateway, worker.role, public, Path(config.engine.model).name,
         kv_layout_to_proto(engine.kv_layout), worker.load_snapshot, worker.incarnation,
+        KVEventSender(engine.kv_events),
     )
     worker.registration.start()
     log.info("worker.serving", role=worker.role_name, address=public, metrics_port=metrics_port,

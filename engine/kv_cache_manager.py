@@ -127,7 +127,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # A block is hashed over its tokens, so only blocks whose tokens are all known count
+        # (computed slots may run ahead of the tokens: accepted drafts, a stop mid-drafts).
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_computed // self.block_size, len(blocks))
         start = self._num_published.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -37,6 +37,7 @@ class KVEventSender:
         """A (new) registration: the gateway knows nothing of this cache, send all of it."""
         self.max_per_beat = response.kv_events_max_per_beat
         self.interval_s = max(response.kv_events_interval_ms, 1) / 1000.0
+        self._last_ok = True  # the gateway just answered: the cache goes out at the next interval
         self.log.resync()
 
     def attach(self, request: gateway_pb2.HeartbeatRequest) -> KVEventBatch | None:

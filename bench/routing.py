@@ -7,10 +7,11 @@ The same deployment, ``--prefill-workers`` + ``--decode-workers`` processes (2 +
 torch thread each) and a gateway, is started once per policy (``--routing load``, then
 ``--routing prefix``; with ``--rounds 2`` load, prefix, prefix, load, so drift of a shared
 machine's load falls on both alike) and runs the same multi-turn chat workload
-(``bench.workload.conversations``): ``--conversations`` chats at once, each sending its
-turns one after another, every turn resending the whole conversation (its system prompt,
-shared with other chats, earlier turns and the model's actual answers). Greedy, EOS ignored,
-so every prompt's length is the workload's whatever the model answers.
+(``bench.workload.conversations``): ``--conversations`` chats, run by ``--concurrency``
+clients (8; 0: every chat at once), each client running its chats one after another and
+each chat its turns one after another, every turn resending the whole conversation (its
+system prompt, shared with other chats, earlier turns and the model's actual answers).
+Greedy, EOS ignored, so every prompt's length is the workload's whatever the model answers.
 
 Figures per policy: prompt tokens computed (sent − served from a prefix cache, as the
 workers report them), KV bytes shipped between workers, TTFT P50/P99 (client side), output
@@ -110,7 +111,7 @@ def run_policy(policy: str, model: str, convs: list[Conversation], args: argpars
                       gateway_flags=["--routing", policy, "--metrics-port", "0"],
                       worker_flags=list(engine_flags(settings)), log_dir=str(log_dir), log_level="info")
     try:
-        address = cluster.start()
+        address = cluster.start(timeout_s=600)  # a shared, loaded machine can be slow to start four workers
         with load_window() as load:
             records = asyncio.run(_run_chats(address, convs, args.concurrency or len(convs)))
         counters = routing_counters(_gateway_metrics_port(log_dir / "gateway.log"))
@@ -150,6 +151,16 @@ def summarize(runs: list[dict]) -> dict:
         "output_tokens_per_s": rate.output_tokens_per_s, "requests_per_s": rate.requests_per_s,
         "load_average_1m": [run["load_average_1m"] for run in runs], "routing_counters": counters,
     }
+
+
+def per_request(run: dict) -> dict[str, list]:
+    """One round's requests as columns (conversation × turns + turn order)."""
+    records = run["records"]
+    return {"index": [r.index for r in records], "kind": [r.kind for r in records],
+            "prompt_tokens": [r.num_prompt_tokens for r in records],
+            "cached_tokens": [r.server.num_cached_prompt_tokens for r in records],
+            "kv_bytes": [r.server.transfer_bytes for r in records],
+            "ttft_ms": [round(r.ttft_s * 1e3, 3) for r in records], "e2e_ms": [round(r.e2e_s * 1e3, 3) for r in records]}
 
 
 def compare(figures: dict[str, dict], answers: dict[str, list[tuple[int, ...]]]) -> dict:
@@ -200,7 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--system-tokens", type=_dist, default=_dist("256:1024"), help="lo:hi (≈ 1–4 KiB of text)")
     p.add_argument("--user-tokens", type=_dist, default=_dist("32:128"), help="lo:hi per user turn")
     p.add_argument("--answer-tokens", type=_dist, default=_dist("16:64"), help="lo:hi per answer")
-    p.add_argument("--concurrency", type=int, default=0, help="chats at once (0: all)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="clients, each running its chats one after another (0: every chat at once)")
     p.add_argument("--prefill-workers", type=int, default=2)
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="policy runs each: load, prefix (, prefix, load, ...)")
@@ -231,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs[policy].append(run_policy(policy, model, convs, args, settings, log_dir))
             sys.stderr.write(f"routing bench: {policy} round done ({len(runs[policy][-1]['records'])} requests)\n")
     figures = {p: summarize(runs[p]) for p in POLICIES}
+    requests = {p: [per_request(run) for run in runs[p]] for p in POLICIES}
     answers = {p: [r.token_ids for r in runs[p][0]["records"]] for p in POLICIES}
     comparison = compare(figures, answers)
     table = markdown(figures, comparison)
@@ -242,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     deployment = {"prefill_workers": args.prefill_workers, "decode_workers": args.decode_workers,
                   "threads_per_worker": 1, "engine": vars(settings), "order": order}
     result = {**full, "workload": workload, "deployment": deployment, "load_average_1m": load,
-              "figures": figures, **comparison, "table_markdown": table}
+              "figures": figures, **comparison, "table_markdown": table, "requests": requests}
     report.write_json(result, args.out)
     return result
 

@@ -10,7 +10,8 @@ index (``gateway/prefix_index.py``, fed by the workers' KV events) predicts it::
     either leg:   loads further apart than the imbalance bound ──▶ the least-loaded worker
     then:         the decode worker prefills locally when its uncached rest is shorter than
                   local_prefill_max_tokens, or it holds ≥ local_prefill_min_cached_fraction
-                  of the prompt (nothing is shipped, only the rest is computed)
+                  of the prompt (nothing is shipped, only the rest is computed); never with
+                  local_prefill_max_tokens 0 (disaggregation forced) while a prefill worker lives
 
 With weight 1 the prefill cost is the number of prompt tokens the worker computes before this
 request's first token (its queue, then the part of this prompt it does not hold): the
@@ -130,13 +131,17 @@ class Router:
         return pick
 
     def prefill_locally(self, req: Routable, decode: Pick, local_prefill_max_tokens: int) -> bool:
-        """Whether the decode worker computes the prompt itself: its uncached rest is short,
-        or (prefix routing) it holds most of the prompt, or no prefill worker is left."""
+        """Whether the decode worker computes the prompt itself: no prefill worker is left,
+        or its uncached rest is shorter than ``local_prefill_max_tokens``, or (prefix routing)
+        it holds most of the prompt. ``local_prefill_max_tokens`` 0 forces disaggregation:
+        every prompt goes to a prefill worker while one is alive."""
+        if not self._candidates(common_pb2.WORKER_ROLE_PREFILL, req):
+            return True
+        if local_prefill_max_tokens == 0:
+            return False
         num_tokens = len(req.prompt_token_ids)
         cached = decode.num_hit_tokens
         if num_tokens - cached < local_prefill_max_tokens:
-            return True
-        if not self._candidates(common_pb2.WORKER_ROLE_PREFILL, req):
             return True
         return cached > 0 and cached >= self.config.local_prefill_min_cached_fraction * num_tokens
 

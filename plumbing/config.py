@@ -245,7 +245,8 @@ def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--model", default=default_model, help="checkpoint directory or .gguf file (tokenizer, limits)")
     add_flag(p, "--max-model-len", type=int, default=None, help="cap on prompt + output")
     add_flag(p, "--local-prefill-max-tokens", type=int, default=32,
-             help="prompts shorter than this prefill on the decode worker")
+             help="prompts (with prefix routing: their part the decode worker does not hold) shorter than "
+                  "this prefill on the decode worker; 0: every prompt on a prefill worker while one is alive")
     add_flag(p, "--heartbeat-period-ms", type=int, default=500, help="worker heartbeat period")
     add_flag(p, "--heartbeat-miss-count", type=int, default=3, help="missed beats before a worker is dropped")
     add_flag(p, "--max-in-flight", type=int, default=256, help="concurrent requests before RESOURCE_EXHAUSTED")

@@ -280,6 +280,8 @@ def test_prefill_cost_weighs_uncached_tokens_against_queued_ones_and_local_prefi
         assert not reg.router.prefill_locally(Req(_tokens(0, 140)), decode, 32)  # 64 < 70
         assert reg.router.prefill_locally(Req(_tokens(0, 90)), decode, 32)  # 26 uncached < 32
         assert reg.router.prefill_locally(Req(_tokens(0, 140), excluded={holder, empty}), decode, 32)
+        assert not reg.router.prefill_locally(Req(prompt), decode, 0)  # 0: disaggregation forced
+        assert reg.router.prefill_locally(Req(prompt, excluded={holder, empty}), decode, 0)
         await reg.stop()
 
     asyncio.run(run())

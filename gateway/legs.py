@@ -6,9 +6,10 @@
 
 Prompts shorter than ``local_prefill_max_tokens`` (with prefix routing: whose part the
 decode worker does not hold is that short, or that worker holds most of the prompt), or any
-prompt when no prefill worker is alive, are prefilled by the decode worker itself. A leg that fails cancels the other (the
-workers free their blocks in their handlers' ``finally``) and raises ``LegFailed`` naming
-the worker to blame; the service decides whether to retry.
+prompt when no prefill worker is alive, are prefilled by the decode worker itself
+(``Router.prefill_locally``). A leg that fails cancels the other (the workers free their
+blocks in their handlers' ``finally``) and raises ``LegFailed`` naming the worker to blame;
+the service decides whether to retry.
 """
 
 from __future__ import annotations

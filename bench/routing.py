@@ -148,6 +148,7 @@ def summarize(runs: list[dict]) -> dict:
         "num_prefilled_on_decode_worker": sum(1 for s in servers if not s.transfer_bytes),
         "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
         "ttft_p50_later_turns": percentile(later, 50) if later else None,
+        "ttft_p99_later_turns": percentile(later, 99) if later else None,
         "output_tokens_per_s": rate.output_tokens_per_s, "requests_per_s": rate.requests_per_s,
         "load_average_1m": [run["load_average_1m"] for run in runs], "routing_counters": counters,
     }
@@ -181,8 +182,10 @@ def markdown(figures: dict[str, dict], comparison: dict) -> str:
                                                               "num_prefilled_on_decode_worker", "{:.0f}"),
             ("TTFT P50 (ms)", "ttft_p50", "{:.1f}"), ("TTFT P99 (ms)", "ttft_p99", "{:.1f}"),
             ("TTFT P50, turns 2+ (ms)", "ttft_p50_later_turns", "{:.1f}"),
+            ("TTFT P99, turns 2+ (ms)", "ttft_p99_later_turns", "{:.1f}"),
             ("output tokens/s", "output_tokens_per_s", "{:.1f}"), ("requests/s", "requests_per_s", "{:.2f}")]
-    scale = {"kv_bytes_shipped": 1 / (1 << 20), "ttft_p50": 1e3, "ttft_p99": 1e3, "ttft_p50_later_turns": 1e3}
+    scale = {"kv_bytes_shipped": 1 / (1 << 20), "ttft_p50": 1e3, "ttft_p99": 1e3, "ttft_p50_later_turns": 1e3,
+             "ttft_p99_later_turns": 1e3}
     lines = ["| | load | prefix | prefix / load |", "|---|---|---|---|"]
     for label, key, fmt in rows:
         a, b = figures["load"][key], figures["prefix"][key]

@@ -17,6 +17,10 @@ exactly its output length.
     ``long``);
   * **code**: code completion on held-out Python source (:func:`code_source_files`), cut at
     seeded offsets and lengths; ``bench.spec_decode`` takes its prompts from here too.
+  * **conversations** (:class:`Conversation`): multi-turn chat whose every turn resends the
+    whole conversation (system prompt, earlier turns, the model's own answers), over a few
+    system prompts that conversations share; one turn each is the shared-system-prompt
+    workload. ``bench.routing`` runs them.
 
 Nothing here imports torch or transformers until a function needs them.
 """
@@ -287,3 +291,52 @@ def code_prompts(model_dir: Path, num_requests: int, seed: int, prompt: LengthDi
     files, source = code_source_files(model_dir)
     docs = tokenize_files(model_dir, files)
     return code_completion(num_requests, seed, docs, prompt, output), source
+
+
+# -- conversations (multi-turn chat, shared system prompts) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat as token ids. Turn ``t``'s prompt is the conversation so far: ``system``, then for
+    each earlier turn its user message and the model's actual answer, then
+    ``user_turns[t]``; the answer is ``answer_lens[t]`` greedy tokens (EOS ignored), so every
+    prompt's length is fixed by the workload whatever the model answers."""
+
+    index: int
+    system_index: int  # which of the shared system prompts
+    system: tuple[int, ...]
+    user_turns: tuple[tuple[int, ...], ...]
+    answer_lens: tuple[int, ...]
+
+    def prompt(self, turn: int, answers: list[list[int]]) -> tuple[int, ...]:
+        """Turn ``turn``'s prompt, given the answers of the turns before it."""
+        if len(answers) != turn:
+            raise ValueError(f"turn {turn} needs the {turn} earlier answers, got {len(answers)}")
+        tokens = list(self.system)
+        for user, answer in zip(self.user_turns, answers):
+            tokens += [*user, *answer]
+        return (*tokens, *self.user_turns[turn])
+
+    def max_tokens(self) -> int:
+        """The longest sequence the conversation reaches (last prompt + its answer)."""
+        return len(self.system) + sum(map(len, self.user_turns)) + sum(self.answer_lens)
+
+
+def conversations(num_conversations: int, num_turns: int, num_system_prompts: int, seed: int,
+                  vocab_size: int, system: LengthDist, user: LengthDist, answer: LengthDist) -> list[Conversation]:
+    """Seeded conversations over ``num_system_prompts`` distinct system prompts, assigned round
+    robin (conversation ``i`` uses prompt ``i mod num_system_prompts``)."""
+    if num_conversations < 1 or num_turns < 1:
+        raise ValueError("need at least one conversation of at least one turn")
+    if not 1 <= num_system_prompts <= num_conversations:
+        raise ValueError(f"num_system_prompts must be in [1, {num_conversations}], got {num_system_prompts}")
+    rng = random.Random(seed)
+    systems = [_random_prompt(rng, system.draw(rng), vocab_size) for _ in range(num_system_prompts)]
+    out = []
+    for i in range(num_conversations):
+        users = tuple(_random_prompt(rng, user.draw(rng), vocab_size) for _ in range(num_turns))
+        answers = tuple(answer.draw(rng) for _ in range(num_turns))
+        k = i % num_system_prompts
+        out.append(Conversation(i, k, systems[k], users, answers))
+    return out

@@ -19,6 +19,9 @@ A request's blocks are freed tail-first (last block first), so the end of a prom
 evicted before its shared beginning. ``popleft`` takes the head; a prefix hit removes a
 block from the middle in O(1) (doubly linked list).
 
+Every change of the cache map (a hash published, a published block evicted) is recorded in
+``events`` (``engine/kv_events.py``), which a worker ships to the gateway's prefix index.
+
 Ownership invariant (``check_integrity``): every block is either in the free queue with
 ref_cnt 0, or outside it with ref_cnt equal to the number of request tables holding it;
 a hash maps to exactly one block and that block carries that hash.
@@ -26,19 +29,12 @@ a hash maps to exactly one block and that block carries that hash.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 
-BlockHash = bytes
-_ROOT_HASH: BlockHash = b"\x00" * 16
+from engine.block_hash import BlockHash, hash_block_tokens
+from engine.kv_events import KVEventLog
 
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained 128-bit hash of a full block: H(parent hash || token ids)."""
-    h = hashlib.blake2b(parent_hash or _ROOT_HASH, digest_size=16)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+__all__ = ["BlockHash", "BlockPool", "FreeBlockQueue", "KVBlock", "hash_block_tokens"]
 
 
 class KVBlock:
@@ -112,6 +108,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.events = KVEventLog(max_pending=2 * num_blocks + 1024)
 
     @property
     def num_free_blocks(self) -> int:
@@ -157,11 +154,13 @@ class BlockPool:
             return  # an identical block is already published; this one stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self.events.stored(block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self.events.removed(block.block_hash)
             block.block_hash = None
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
@@ -184,3 +183,5 @@ class BlockPool:
         for block_hash, block in self.cached.items():
             if block.block_hash != block_hash:
                 raise RuntimeError(f"{block!r}: cache map and block hash disagree")
+        if self.events.cached_hashes() != self.cached.keys():
+            raise RuntimeError("the KV event log's view of the cache map disagrees with the map")

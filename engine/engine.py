@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_events import KVEventLog
 from engine.kv_handoff import KVHandoff
 from engine.model_runner import ModelRunner, SampledToken
 from engine.models.spec import eos_token_ids, load_tokenizer
@@ -310,6 +311,11 @@ class Engine(KVHandoff):
     @property
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """What the prefix cache published and evicted (thread-safe; ``engine/kv_events.py``)."""
+        return self.kv.pool.events
 
     def load(self) -> EngineLoad:
         """A snapshot of queues, pool and speculation counters (call on the owning thread)."""

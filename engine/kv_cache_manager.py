@@ -31,7 +31,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from engine.block_hash import hash_block_tokens, max_cached_blocks
+from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
 
 
@@ -84,7 +85,7 @@ class KVCacheManager:
         since the last prompt token must run through the model to produce logits."""
         if not self.pool.enable_prefix_caching:
             return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = max_cached_blocks(request.num_tokens, self.block_size)
         hits: list[KVBlock] = []
         for block_hash in self._extend_hashes(request, max_hit_blocks)[:max_hit_blocks]:
             block = self.pool.lookup(block_hash)
@@ -126,7 +127,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # A block is hashed over its tokens, so only blocks whose tokens are all known count
+        # (computed slots may run ahead of the tokens: accepted drafts, a stop mid-drafts).
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_computed // self.block_size, len(blocks))
         start = self._num_published.get(request.request_id, 0)
         if num_full <= start:
             return

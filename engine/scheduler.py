@@ -267,8 +267,10 @@ class Scheduler:
                 request.num_accepted_tokens += num_accepted_drafts
                 request.spec_token_ids = []
                 request.draft_probs = None
-            self.kv.cache_computed_blocks(request)
+            # Accepted drafts count as computed before they join the request's tokens: publish
+            # (hash) full blocks only once those tokens are appended.
             status = self._append_tokens(request, sampled.get(request.request_id, ()))
+            self.kv.cache_computed_blocks(request)
             if status is not None:
                 self.finish(request, status)
                 finished.append(request)

@@ -1,26 +1,29 @@
 """One routing attempt of a request: the decode leg and, for a remote prefill, the prefill leg::
 
-    pick decode worker (lowest KV load) ── Decode(stream) ──▶ Reservation   (remote prefill)
-    pick prefill worker (fewest queued prompt tokens) ── Prefill ──▶ first token
+    pick decode worker (gateway/routing.py) ── Decode(stream) ──▶ Reservation   (remote prefill)
+    pick prefill worker (gateway/routing.py) ── Prefill ──▶ first token
     Decode stream ──▶ TokenChunk … DecodeFinished
 
-Prompts shorter than ``local_prefill_max_tokens`` (or any prompt when no prefill worker is
-alive) are prefilled by the decode worker itself. A migration (an attempt after tokens were
-sent) prefills the prompt plus those tokens the same way, with the budgets that are left. A leg that fails cancels the other (the
-workers free their blocks in their handlers' ``finally``) and raises ``LegFailed`` naming
-the worker to blame; the service decides whether to retry.
+Prompts shorter than ``local_prefill_max_tokens`` (with prefix routing: whose part the
+decode worker does not hold is that short, or that worker holds most of the prompt), or any
+prompt when no prefill worker is alive, are prefilled by the decode worker itself
+(``Router.prefill_locally``). A migration (an attempt after tokens were sent) routes and
+prefills the prompt plus those tokens the same way, with the budgets that are left. A leg
+that fails cancels the other (the workers free their blocks in their handlers' ``finally``)
+and raises ``LegFailed`` naming the worker to blame; the service decides whether to retry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from gateway.registry import Registry, WorkerEntry
 from gateway.request import GatewayRequest
+from gateway.routing import LEG_LOCAL, LEG_PREFILL
 from splitserve.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
 
 # gRPC details that mean the peer process is gone (as opposed to an application error).
@@ -49,11 +52,13 @@ class NoWorker(Exception):
 async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tokens: int,
                   reservation_wait_ms: int, lease_ms: int) -> AsyncIterator[gateway_pb2.GenerateResponse]:
     """Route ``req`` once and stream its chunks; LegFailed / NoWorker on failure."""
-    decode = registry.pick_decode(req.excluded)
-    if decode is None:
+    router = registry.router
+    route = router.pick_decode(req)
+    if route is None:
         raise NoWorker("no live decode worker")
+    decode = route.worker
     prompt = req.attempt_prompt
-    local = len(prompt) < local_prefill_max_tokens or registry.pick_prefill(req.excluded) is None
+    local = router.prefill_locally(req, route, local_prefill_max_tokens)
     call = decode.stub.Decode(  # type: ignore[attr-defined]
         decode_pb2.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=prompt, sampling=req.validated.sampling,
@@ -73,7 +78,8 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
             if req.text.stopped:
                 yield req.final(common_pb2.FINISH_REASON_STOP, None)
                 return
-        async for chunk in _decode_stream(req, call, decode, pending):
+        on_finished = (lambda t: router.observe(LEG_LOCAL, route, t.num_cached_prompt_tokens)) if local else None
+        async for chunk in _decode_stream(req, call, decode, pending, on_finished):
             yield chunk
     finally:
         decode.num_routed -= 1
@@ -89,12 +95,13 @@ async def _remote_prefill(
     reserved = await _read(call, decode)
     if reserved is None or reserved.WhichOneof("event") != "reserved":
         raise LegFailed(decode, grpc.StatusCode.INTERNAL, "decode stream did not start with a reservation")
-    prefill = registry.pick_prefill(req.excluded)
-    if prefill is None:
+    route = registry.router.pick_prefill(req)
+    if route is None:
         raise NoWorker("no live prefill worker")
+    prefill = route.worker
     queue_us = int((time.monotonic() - req.start) * 1e6)
-    prompt_len = len(prompt)
-    prefill.num_routed_prefill_tokens += prompt_len
+    num_uncached = len(prompt) - route.num_hit_tokens  # what it is expected to compute
+    prefill.num_routed_prefill_tokens += num_uncached
     task = asyncio.ensure_future(prefill.stub.Prefill(  # type: ignore[attr-defined]
         prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=prompt,
@@ -111,8 +118,9 @@ async def _remote_prefill(
     try:
         result, pending = await _await_prefill(task, prefill, call, decode)
     finally:
-        prefill.num_routed_prefill_tokens -= prompt_len
+        prefill.num_routed_prefill_tokens -= num_uncached
         _discard(task)
+    registry.router.observe(LEG_PREFILL, route, result.timings.num_cached_prompt_tokens)
     if req.timings is None:  # the first token's path (a migration keeps the original's)
         req.timings = common_pb2.PhaseTimings()
         req.timings.CopyFrom(result.timings)
@@ -124,8 +132,10 @@ async def _remote_prefill(
 async def _decode_stream(
     req: GatewayRequest, call: grpc.aio.UnaryStreamCall, decode: WorkerEntry,
     pending: decode_pb2.DecodeResponse | None,
+    on_finished: Callable[[common_pb2.PhaseTimings], None] | None = None,
 ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-    """Token chunks from the decode leg until it finishes (or a stop string matched)."""
+    """Token chunks from the decode leg until it finishes (or a stop string matched);
+    ``on_finished`` sees the decode worker's timings when it reports the finish."""
     while True:
         msg = pending if pending is not None else await _read(call, decode)
         pending = None
@@ -140,6 +150,8 @@ async def _decode_stream(
                 yield req.final(common_pb2.FINISH_REASON_STOP, None)
                 return
         elif kind == "finished":
+            if on_finished is not None:
+                on_finished(msg.finished.timings)
             yield req.final(msg.finished.finish_reason, msg.finished.timings)
             return
 

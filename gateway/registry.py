@@ -11,6 +11,11 @@ registration, and binds it to the worker's incarnation: a heartbeat counts only 
 pair. One entry per address: a registration replaces the one made at its address before (a
 restarted worker). What workers report is checked (``gateway/reports.py``).
 
+KV-aware routing (``gateway/routing.py``, the ``router``): each entry keeps a prefix index
+(``gateway/prefix_index.py``) that the worker's heartbeats feed with KV events, when the
+routing policy wants them (the registration answer tells the worker). A new registration
+starts from an empty index, so a restarted worker's stale entries die with its old entry.
+
 After a (re)start the gateway waits for registrations: until a decode worker registered, or
 ``startup_grace_s`` passed, it is not ready (health NOT_SERVING; requests wait for a decode
 worker within the grace instead of failing at once).
@@ -25,9 +30,13 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from gateway.reports import check_load, check_state
+from gateway.prefix_index import PrefixIndex
+from gateway.reports import check_kv_events, check_load, check_state
+from gateway.routing import Router
+from plumbing.config import RoutingConfig
 from plumbing.identity import mint_id
 from plumbing.channels import ChannelSecurity, PeerChannel
+from plumbing.metrics import RoutingMetrics
 from splitserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -50,6 +59,7 @@ class WorkerEntry:
     incarnation: int
     state: int = common_pb2.WORKER_STATE_SERVING
     last_beat: float = field(default_factory=time.monotonic)
+    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0, 0))  # its prefix cache, from KV events
     # Routed by this gateway and not finished yet (decayed by heartbeats' real numbers).
     num_routed: int = 0
     num_routed_prefill_tokens: int = 0
@@ -74,9 +84,11 @@ class WorkerEntry:
 class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
     def __init__(self, model: str, heartbeat_period_ms: int, heartbeat_miss_count: int,
                  incarnation: int | None = None, startup_grace_s: float = 0.0,
-                 security: ChannelSecurity | None = None) -> None:
+                 security: ChannelSecurity | None = None, routing: RoutingConfig | None = None,
+                 routing_metrics: RoutingMetrics | None = None) -> None:
         self.model = model
         self.security = security or ChannelSecurity()  # how the gateway dials workers
+        self.router = Router(self, routing or RoutingConfig(), routing_metrics)
         self.incarnation = incarnation or mint_id()
         self._startup_ends = time.monotonic() + startup_grace_s
         self._decode_seen = False  # a decode worker registered since this gateway started
@@ -115,7 +127,8 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
         while worker_id in self.workers:
             worker_id = mint_id()
         entry = WorkerEntry(worker_id, request.role, request.address, channel, stub_type,
-                            request.load, request.incarnation)
+                            request.load, request.incarnation,
+                            prefix=PrefixIndex(request.kv_layout.block_size, request.load.kv_blocks_total))
         self.workers[worker_id] = entry
         self.changed.set()
         if request.role == common_pb2.WORKER_ROLE_DECODE:
@@ -125,8 +138,16 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
                     waiter.set_result(None)
         log.info("registry.worker_joined", worker_id=worker_id,
                  role=common_pb2.WorkerRole.Name(request.role), address=request.address)
-        return gateway_pb2.RegisterWorkerResponse(worker_id=worker_id, heartbeat_period_ms=self.period_ms,
-                                                  gateway_incarnation=self.incarnation)
+        routing = self.router.config
+        return gateway_pb2.RegisterWorkerResponse(
+            worker_id=worker_id, heartbeat_period_ms=self.period_ms, gateway_incarnation=self.incarnation,
+            kv_events_max_per_beat=self.kv_events_max_per_beat, kv_events_interval_ms=routing.kv_events_interval_ms)
+
+    @property
+    def kv_events_max_per_beat(self) -> int:
+        """What a heartbeat may carry in ``kv_events`` (0: the routing policy wants none)."""
+        routing = self.router.config
+        return routing.kv_events_max_per_beat if routing.wants_kv_events else 0
 
     async def Heartbeat(
         self, request: gateway_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
@@ -135,7 +156,13 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
         if entry is None or entry.incarnation != request.incarnation:
             return gateway_pb2.HeartbeatResponse(known=False, gateway_incarnation=self.incarnation)
         check_load(request.load, "load", entry.load.kv_blocks_total)
-        entry.state = check_state(request.state)
+        state = check_state(request.state)
+        events = request.kv_events if request.HasField("kv_events") else None
+        if events is not None:
+            check_kv_events(events, "kv_events", self.kv_events_max_per_beat)
+            entry.prefix.check(events, "kv_events")
+            entry.prefix.apply(events)
+        entry.state = state
         entry.load = request.load
         entry.last_beat = time.monotonic()
         return gateway_pb2.HeartbeatResponse(known=True, gateway_incarnation=self.incarnation)

@@ -11,6 +11,9 @@ trusted (defence in depth under mTLS, and the only defence without it).
   no counters or rates today; any added must be checked here (counters monotone within an
   incarnation, rates bounded).
 * ``state`` must be a known ``WorkerState``.
+* ``kv_events`` (KV-aware routing): at most the batch size the gateway asked for, every hash
+  16 bytes, none twice; the prefix index then checks that the worker claims no more cached
+  blocks than its pool has (``gateway/prefix_index.py``).
 
 Every violation is a ``ValueError`` naming the field (INVALID_ARGUMENT). A heartbeat that
 fails validation does not refresh the worker, so one that keeps reporting nonsense is dropped
@@ -19,7 +22,8 @@ like a silent one.
 
 from __future__ import annotations
 
-from splitserve.v1 import common_pb2
+from engine.block_hash import BLOCK_HASH_BYTES
+from splitserve.v1 import common_pb2, gateway_pb2
 
 MAX_GAUGE = 1 << 40  # queue gauges (requests, prompt tokens) above this are not believed
 _STATES = (common_pb2.WORKER_STATE_UNSPECIFIED, common_pb2.WORKER_STATE_SERVING,
@@ -48,3 +52,18 @@ def check_state(state: int) -> int:
     if state not in _STATES:
         raise ValueError(f"state must be a WorkerState, got {state}")
     return state or common_pb2.WORKER_STATE_SERVING
+
+
+def check_kv_events(events: gateway_pb2.KVEvents, field: str, max_per_beat: int) -> None:
+    """ValueError naming ``field.<list>`` unless ``events`` is well formed: at most
+    ``max_per_beat`` hashes in all (0: none are wanted), each ``BLOCK_HASH_BYTES`` long, none
+    listed twice."""
+    num_events = len(events.stored) + len(events.removed)
+    if num_events > max_per_beat:
+        raise ValueError(f"{field} carries {num_events} hashes; this gateway takes at most {max_per_beat} "
+                         "per heartbeat (kv_events_max_per_beat)")
+    for name in ("stored", "removed"):
+        if any(len(h) != BLOCK_HASH_BYTES for h in getattr(events, name)):
+            raise ValueError(f"{field}.{name}: every block hash must be {BLOCK_HASH_BYTES} bytes")
+    if len({*events.stored, *events.removed}) != num_events:
+        raise ValueError(f"{field}: a block hash is listed twice (each hash once, with its state now)")

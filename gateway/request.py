@@ -34,6 +34,7 @@ class GatewayRequest:
     excluded: set[int] = field(default_factory=set)  # workers that failed this request
     token_ids: list[int] = field(default_factory=list)  # generated and sent to the client
     migrations: int = 0  # continuations on another decode worker after tokens were sent
+    block_hashes: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)  # by (block size, prompt length): routing
     last_emit: float = 0.0
     first_token_at: float = 0.0
     timings: common_pb2.PhaseTimings | None = None

@@ -44,7 +44,8 @@ async def serve_gateway(config: GatewayConfig) -> None:
     metrics = GatewayMetrics.create()
     security = Security.from_config(config.server.security)
     registry = Registry(model_name, config.heartbeat_period_ms, config.heartbeat_miss_count,
-                        startup_grace_s=config.startup_grace_s, security=security.channels())
+                        startup_grace_s=config.startup_grace_s, security=security.channels(),
+                        routing=config.routing, routing_metrics=metrics.routing)
     service = GatewayService(config, registry, tokenizer, limits, metrics, model_name)
     servers = Servers(security, metrics.count_auth_failure)
     host = config.server.host

@@ -111,6 +111,56 @@ class WorkerConfig:
         return "nccl" if self.engine.device.startswith("cuda") else "gloo"
 
 
+ROUTING_POLICIES = ("load", "prefix")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How the gateway picks workers (``gateway/routing.py``; docs/architecture.md,
+    "KV-aware routing"). ``load``: decode by KV pressure, prefill by queued prompt tokens.
+    ``prefix``: the same loads, plus what each worker's prefix cache already holds of the
+    prompt (from the workers' KV events), unless the loads are too far apart."""
+
+    policy: str = "prefix"
+    # Prefill leg, in prompt tokens: cost = prefill_overlap_weight * uncached prompt tokens
+    # + queued prompt tokens (reported + routed). 1.0 makes the cost the tokens the worker
+    # computes before this request's first token.
+    prefill_overlap_weight: float = 1.0
+    # Decode leg: cost = KV pressure (used share of the pool + routed in flight / 64)
+    # + decode_overlap_weight * uncached share of the prompt (0 .. 1).
+    decode_overlap_weight: float = 1.0
+    # Imbalance guards: when the candidates' loads differ by more than this (queued prompt
+    # tokens; KV pressure), the leg is picked by load alone.
+    prefill_imbalance_tokens: int = 4096
+    decode_imbalance: float = 0.25
+    # A decode worker predicted to hold at least this share of a prompt prefills it itself
+    # (only the uncached rest is computed, nothing is shipped); 1 turns this off.
+    local_prefill_min_cached_fraction: float = 0.5
+    # What the gateway asks of the workers' KV events (RegisterWorkerResponse).
+    kv_events_max_per_beat: int = 4096
+    kv_events_interval_ms: int = 50
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.policy!r}")
+        for name in ("prefill_overlap_weight", "decode_overlap_weight", "decode_imbalance"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefill_imbalance_tokens < 0:
+            raise ValueError(f"prefill_imbalance_tokens must be >= 0, got {self.prefill_imbalance_tokens}")
+        if not 0 < self.local_prefill_min_cached_fraction <= 1:
+            raise ValueError("local_prefill_min_cached_fraction must be in (0, 1], "
+                             f"got {self.local_prefill_min_cached_fraction}")
+        if not 1 <= self.kv_events_max_per_beat <= 65536:
+            raise ValueError(f"kv_events_max_per_beat must be in [1, 65536], got {self.kv_events_max_per_beat}")
+        if self.kv_events_interval_ms < 1:
+            raise ValueError(f"kv_events_interval_ms must be >= 1, got {self.kv_events_interval_ms}")
+
+    @property
+    def wants_kv_events(self) -> bool:
+        return self.policy == "prefix"
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     server: ServerConfig
@@ -129,6 +179,7 @@ class GatewayConfig:
     # After a (re)start: NOT_SERVING, and requests wait for a decode worker, until one registered or this passed.
     startup_grace_s: float = 10.0
     internal_port: int = 0  # the worker registry's port (never the public one); 0: ephemeral
+    routing: RoutingConfig = RoutingConfig()
 
 
     def __post_init__(self) -> None:
@@ -265,7 +316,8 @@ def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--model", default=default_model, help="checkpoint directory or .gguf file (tokenizer, limits)")
     add_flag(p, "--max-model-len", type=int, default=None, help="cap on prompt + output")
     add_flag(p, "--local-prefill-max-tokens", type=int, default=32,
-             help="prompts shorter than this prefill on the decode worker")
+             help="prompts (with prefix routing: their part the decode worker does not hold) shorter than "
+                  "this prefill on the decode worker; 0: every prompt on a prefill worker while one is alive")
     add_flag(p, "--heartbeat-period-ms", type=int, default=500, help="worker heartbeat period")
     add_flag(p, "--heartbeat-miss-count", type=int, default=3, help="missed beats before a worker is dropped")
     add_flag(p, "--max-in-flight", type=int, default=256, help="concurrent requests before RESOURCE_EXHAUSTED")
@@ -275,6 +327,38 @@ def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
              help="times a stream whose decode worker failed mid-stream is continued on another (0: never)")
     add_flag(p, "--startup-grace-s", type=float, default=10.0,
              help="after a start, NOT_SERVING until a decode worker registered or this many seconds passed")
+    add_routing_flags(p)
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    d = RoutingConfig()
+    add_flag(p, "--routing", default=d.policy, choices=list(ROUTING_POLICIES),
+             help="load: by load alone; prefix: also by what each worker's prefix cache holds (KV events)")
+    add_flag(p, "--routing-prefill-overlap-weight", type=float, default=d.prefill_overlap_weight,
+             help="prefill cost = weight * uncached prompt tokens + queued prompt tokens")
+    add_flag(p, "--routing-decode-overlap-weight", type=float, default=d.decode_overlap_weight,
+             help="decode cost = KV pressure + weight * uncached share of the prompt")
+    add_flag(p, "--routing-prefill-imbalance-tokens", type=int, default=d.prefill_imbalance_tokens,
+             help="prefill workers' queues further apart than this: route by load alone")
+    add_flag(p, "--routing-decode-imbalance", type=float, default=d.decode_imbalance,
+             help="decode workers' KV pressures further apart than this: route by load alone")
+    add_flag(p, "--local-prefill-min-cached-fraction", type=float, default=d.local_prefill_min_cached_fraction,
+             help="prefix routing: a decode worker holding this share of the prompt prefills it itself (1: never)")
+    add_flag(p, "--kv-events-max-per-beat", type=int, default=d.kv_events_max_per_beat,
+             help="most prefix-cache changes a worker sends per heartbeat")
+    add_flag(p, "--kv-events-interval-ms", type=int, default=d.kv_events_interval_ms,
+             help="workers heartbeat this soon after their prefix cache changed")
+
+
+def routing_config(args: argparse.Namespace) -> RoutingConfig:
+    return RoutingConfig(
+        policy=args.routing, prefill_overlap_weight=args.routing_prefill_overlap_weight,
+        decode_overlap_weight=args.routing_decode_overlap_weight,
+        prefill_imbalance_tokens=args.routing_prefill_imbalance_tokens,
+        decode_imbalance=args.routing_decode_imbalance,
+        local_prefill_min_cached_fraction=args.local_prefill_min_cached_fraction,
+        kv_events_max_per_beat=args.kv_events_max_per_beat, kv_events_interval_ms=args.kv_events_interval_ms,
+    )
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -284,5 +368,5 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         heartbeat_period_ms=args.heartbeat_period_ms, heartbeat_miss_count=args.heartbeat_miss_count,
         max_in_flight=args.max_in_flight, reservation_wait_ms=args.reservation_wait_ms,
         lease_ms=args.lease_ms, startup_grace_s=args.startup_grace_s, max_migrations=args.max_migrations,
-        internal_port=args.internal_port,
+        internal_port=args.internal_port, routing=routing_config(args),
     )

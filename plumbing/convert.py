@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import re
 
+from engine.kv_events import KVEventBatch
 from engine.kv_layout import KVLayout
 from engine.sampling_params import SamplingParams
-from splitserve.v1 import common_pb2
+from splitserve.v1 import common_pb2, gateway_pb2
 
 # Engine field name -> the request field a client set, for error messages.
 _FIELD_NAMES = {
@@ -111,3 +112,8 @@ def kv_layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
 def kv_layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
     """``ValueError`` (naming the field) when the peer sent an impossible layout."""
     return KVLayout(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, msg.dtype)
+
+
+def kv_events_to_proto(batch: KVEventBatch) -> gateway_pb2.KVEvents:
+    """A batch of the engine's KV events as the heartbeat's ``kv_events``."""
+    return gateway_pb2.KVEvents(seq=batch.seq, reset=batch.reset, stored=batch.stored, removed=batch.removed)

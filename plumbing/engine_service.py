@@ -18,6 +18,7 @@ from plumbing import rpc
 from plumbing.config import WorkerConfig
 from plumbing.convert import kv_layout_to_proto
 from plumbing.identity import mint_id
+from plumbing.kv_event_sender import KVEventSender
 from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
 from plumbing.metrics import WorkerMetrics, serve_metrics
 from plumbing.registration import RegistrationClient
@@ -185,7 +186,7 @@ async def serve_worker(
     worker.registration = RegistrationClient(
         config.gateway, worker.role, public, Path(config.engine.model).name,
         kv_layout_to_proto(engine.kv_layout), worker.load_snapshot, worker.incarnation,
-        security=worker.channel_security,
+        security=worker.channel_security, kv_events=KVEventSender(engine.kv_events),
     )
     worker.registration.start()
     reloads = asyncio.ensure_future(worker.security.watch())

@@ -29,6 +29,34 @@ def auth_failures_counter(registry: CollectorRegistry) -> Counter:
 
 
 @dataclass
+class RoutingMetrics:
+    """KV-aware routing: what the gateway's prefix index predicted against what the worker
+    that computed the prompt then reported (``leg``: ``prefill`` on a prefill worker,
+    ``local`` on the decode worker itself), and why each leg went where it went."""
+
+    predicted_hit_blocks: Counter
+    hit_blocks: Counter
+    mispredicted: Counter
+    decisions: Counter
+
+    @classmethod
+    def create(cls, r: CollectorRegistry) -> RoutingMetrics:
+        return cls(
+            predicted_hit_blocks=Counter("splitserve_routing_predicted_hit_blocks",
+                                         "Prefix-cache hit blocks the gateway predicted for the worker it chose",
+                                         ["leg"], registry=r),
+            hit_blocks=Counter("splitserve_routing_hit_blocks",
+                               "Prefix-cache hit blocks that worker then reported", ["leg"], registry=r),
+            mispredicted=Counter("splitserve_routing_mispredicted_requests",
+                                 "Requests whose reported hit differed from the prediction",
+                                 ["leg", "direction"], registry=r),
+            decisions=Counter("splitserve_routing_decisions",
+                              "Legs routed, by what decided (prefix: a cache hit counted; load; imbalance: "
+                              "the guard fell back to load)", ["leg", "reason"], registry=r),
+        )
+
+
+@dataclass
 class GatewayMetrics:
     registry: CollectorRegistry
     requests: Counter
@@ -39,6 +67,7 @@ class GatewayMetrics:
     workers: Gauge
     retries: Counter
     migrations: Counter
+    routing: RoutingMetrics
     auth_failures: Counter
 
     def count_auth_failure(self, surface: str, reason: str) -> None:
@@ -48,6 +77,7 @@ class GatewayMetrics:
     def create(cls) -> GatewayMetrics:
         r = CollectorRegistry()
         return cls(
+            routing=RoutingMetrics.create(r),
             registry=r,
             requests=Counter("splitserve_requests", "Finished requests by outcome", ["outcome"], registry=r),
             ttft=Histogram("splitserve_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r),

@@ -6,7 +6,8 @@ heartbeat the gateway answers with ``known=False`` (it restarted, dropped us aft
 beats, or another process registered at our address), or with a gateway incarnation other
 than the one we registered with (the gateway restarted), triggers a fresh registration.
 Failures are logged and retried each period; the worker keeps serving whatever it holds
-meanwhile.
+meanwhile. Heartbeats also carry the prefix cache's KV events when the gateway asks for them
+(``plumbing/kv_event_sender.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grpc
 import structlog
 
 from plumbing.channels import ChannelSecurity, PeerChannel
+from plumbing.kv_event_sender import KVEventSender
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
@@ -34,6 +36,7 @@ class RegistrationClient:
         load: Callable[[], common_pb2.WorkerLoad],
         incarnation: int,
         security: ChannelSecurity | None = None,
+        kv_events: KVEventSender | None = None,
     ) -> None:
         # The gateway's internal port: mTLS and/or the shared secret (plumbing/channels.py).
         self._channel = PeerChannel(gateway_address, security or ChannelSecurity())
@@ -48,6 +51,7 @@ class RegistrationClient:
         self.period_s = 0.5
         self.state = common_pb2.WORKER_STATE_SERVING
         self._task: asyncio.Task[None] | None = None
+        self.kv_events = kv_events
 
     async def register(self) -> int:
         resp = await self._stub().RegisterWorker(
@@ -60,6 +64,8 @@ class RegistrationClient:
         self.worker_id = resp.worker_id
         self.gateway_incarnation = resp.gateway_incarnation
         self.period_s = max(resp.heartbeat_period_ms, 10) / 1000.0
+        if self.kv_events is not None:
+            self.kv_events.configure(resp)
         log.info("registry.registered", worker_id=self.worker_id, period_s=self.period_s)
         return self.worker_id
 
@@ -73,11 +79,17 @@ class RegistrationClient:
         if self.worker_id is None:
             await self.register()
             return
-        resp = await self._stub().Heartbeat(
-            gateway_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load(), state=self.state,
-                                         incarnation=self.incarnation),
-            timeout=max(self.period_s, 1.0),
-        )
+        request = gateway_pb2.HeartbeatRequest(worker_id=self.worker_id, load=self._load(), state=self.state,
+                                               incarnation=self.incarnation)
+        batch = self.kv_events.attach(request) if self.kv_events is not None else None
+        try:
+            resp = await self._stub().Heartbeat(request, timeout=max(self.period_s, 1.0))
+        except grpc.aio.AioRpcError as exc:
+            if self.kv_events is not None:
+                self.kv_events.failed(exc, batch)
+            raise
+        if resp.known and resp.gateway_incarnation == self.gateway_incarnation and self.kv_events is not None:
+            self.kv_events.delivered(batch)
         if not resp.known or resp.gateway_incarnation != self.gateway_incarnation:
             log.warning("registry.forgotten", worker_id=self.worker_id, known=resp.known,
                         gateway_restarted=resp.gateway_incarnation != self.gateway_incarnation)
@@ -92,7 +104,10 @@ class RegistrationClient:
                 log.warning("registry.heartbeat_failed", code=exc.code().name, details=exc.details())
             except Exception:  # noqa: BLE001 - keep beating; never die silently
                 log.exception("registry.heartbeat_error")
-            await asyncio.sleep(self.period_s)
+            if self.kv_events is not None:
+                await self.kv_events.wait(self.period_s)
+            else:
+                await asyncio.sleep(self.period_s)
 
     async def stop(self) -> None:
         if self._task is not None:

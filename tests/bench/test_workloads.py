@@ -13,6 +13,7 @@ from bench.workload import (
     code_completion,
     code_prompts,
     code_source_files,
+    conversations,
     count_parameters,
     ensure_model,
     long_mix,
@@ -112,3 +113,22 @@ def test_ensure_model_makes_then_reuses_a_seeded_model(tmp_path: Path) -> None:
     before = weights.read_bytes()
     ensure_model(tmp_path / "m", shape, seed=4)  # another seed: made again, other weights
     assert weights.read_bytes() != before
+
+
+def test_conversations_share_system_prompts_and_resend_the_whole_history() -> None:
+    args = (5, 3, 2, 11, 100, LengthDist(20, 30), LengthDist(4, 6), LengthDist(2, 3))
+    convs = conversations(*args)
+    assert convs == conversations(*args) and convs != conversations(5, 3, 2, 12, *args[4:])
+    assert [c.system_index for c in convs] == [0, 1, 0, 1, 0]
+    assert convs[0].system == convs[2].system != convs[1].system
+    conv = convs[3]
+    assert all(4 <= len(u) <= 6 for u in conv.user_turns) and all(2 <= n <= 3 for n in conv.answer_lens)
+    answers = [[90 + t] * n for t, n in enumerate(conv.answer_lens)]
+    assert conv.prompt(0, []) == (*conv.system, *conv.user_turns[0])
+    assert conv.prompt(2, answers[:2]) == (*conv.system, *conv.user_turns[0], *answers[0],
+                                           *conv.user_turns[1], *answers[1], *conv.user_turns[2])
+    assert conv.max_tokens() == len(conv.prompt(2, answers[:2])) + conv.answer_lens[2]
+    with pytest.raises(ValueError, match="earlier answers"):
+        conv.prompt(1, [])
+    with pytest.raises(ValueError, match="num_system_prompts"):
+        conversations(2, 1, 3, 0, 100, LengthDist(1, 1), LengthDist(1, 1), LengthDist(1, 1))

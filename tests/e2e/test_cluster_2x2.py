@@ -48,6 +48,33 @@ def test_32_concurrent_greedy_requests_match_the_in_process_engine(cluster: Clus
     assert len(stats) == 4 and all(idle(s) for s in stats.values()), stats
 
 
+def test_conversations_return_to_the_decode_worker_holding_them(cluster: Cluster) -> None:
+    """Prefix routing (the default): two conversations run side by side for three turns, each
+    turn resending the whole conversation. From the second turn on, each is prefilled on the
+    decode worker that decoded its previous turn, from its prefix cache (only that worker
+    holds the previous answer's K/V), with nothing shipped; outputs equal the in-process
+    engine's."""
+    engine = Engine(EngineConfig(model=MODEL, num_threads=1))
+    firsts = code_prompts(engine.tokenizer, [150, 140])
+    users = code_prompts(engine.tokenizer, [30, 25, 35, 20, 28, 33, 31, 26])[2:]  # later user turns
+    gw = cluster.addresses["gateway"]
+    histories = [list(p) for p in firsts]
+    for turn in range(3):
+        prompts = [h + (users[2 * turn - 2 + i] if turn else []) for i, h in enumerate(histories)]
+        results = stream_many(gw, greedy_requests(prompts, [20, 20]))
+        expected = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
+        for i, (res, want) in enumerate(zip(results, expected)):
+            assert res.error is None, (turn, i, res.error, res.details)
+            assert res.token_ids == want.token_ids, (turn, i)
+            if turn:
+                computed = len(histories[i]) - 1  # the last answer token's K/V is never computed
+                assert res.timings.transfer_bytes == 0, (turn, i)  # prefilled where it was held
+                assert res.timings.num_cached_prompt_tokens == computed // 16 * 16, (turn, i)
+            histories[i] = prompts[i] + res.token_ids
+    stats = wait_all_free(gw)
+    assert all(idle(s) for s in stats.values()), stats
+
+
 def test_kill_9_of_a_decode_worker_mid_stream(cluster: Cluster) -> None:
     """Streams on the killed worker migrate to the survivor (prompt + tokens sent prefilled
     there): every stream completes, equal to the in-process engine's, each token once."""

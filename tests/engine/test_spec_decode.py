@@ -115,6 +115,23 @@ def test_per_request_k_and_opt_out(ckpt_dir: Callable[..., Path]) -> None:
     engine.check_integrity()
 
 
+def test_blocks_filled_by_accepted_drafts_are_published_under_their_tokens(ckpt_dir: Callable[..., Path]) -> None:
+    """The prefix cache publishes a block once its tokens are known: a follow-up prompt that
+    resends prompt + answer hits every block the speculating request computed (accepted
+    drafts count as computed before they join the tokens)."""
+    from engine.block_hash import prompt_block_hashes
+
+    engine = spec_engine(ckpt_dir("llama"), SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    for prompt in repetitive_prompts(3, seed=2):  # the first crosses a block boundary with drafts
+        (out,) = engine.generate([prompt], GREEDY)
+        assert out.num_accepted_tokens > 0
+        computed = prompt + out.token_ids[:-1]  # the last token's K/V is never computed
+        assert set(prompt_block_hashes([*computed, 0], 16)) <= set(engine.kv.pool.cached)
+        (follow,) = engine.generate([prompt + out.token_ids + [7, 8, 9]], GREEDY)
+        assert follow.num_cached_tokens == len(computed) // 16 * 16
+        engine.check_integrity()
+
+
 def _marginal_second_token(path: Path, prompt: list[int]) -> torch.Tensor:
     """Exact P(t2) = sum_t1 P(t1 | prompt) P(t2 | prompt, t1) of a model, at temperature 1."""
     from transformers import AutoModelForCausalLM

@@ -7,7 +7,8 @@ Triton is installed) and the reference otherwise:
   slots (``block_id * block_size + offset``; ``-1`` skips a token). kernels/kv_write.py
 * ``paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)``:
   causal attention for a ragged batch of decode, prefill and chunked-prefill sequences
-  over paged KV, with GQA. kernels/paged_attention.py
+  over paged KV, with GQA. kernels/paged_attention.py (Triton), kernels/paged_attention_ref.py
+  (the reference and the argument checks both share)
 * ``pack_kv(kv_cache, block_ids)`` / ``unpack_kv(kv_cache, buffer, block_ids)``: gather a
   sequence's pages of every layer into one contiguous buffer for a KV transfer, and
   scatter it into other block ids. kernels/kv_pack.py

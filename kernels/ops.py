@@ -13,7 +13,8 @@ import torch
 from kernels._triton_compat import HAS_TRITON
 from kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
 from kernels.kv_write import write_kv_ref, write_kv_triton
-from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import paged_attention_triton
+from kernels.paged_attention_ref import paged_attention_ref
 
 
 def use_triton(device: torch.device) -> bool:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import paged_attention as pa
-from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import paged_attention_triton
+from kernels.paged_attention_ref import paged_attention_ref
 
 F32_TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -35,7 +35,7 @@ import structlog
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from plumbing import rpc
+from plumbing import rpc, tracing
 from plumbing.auth import AuthInterceptor
 from plumbing.health import SERVING, DrainingHealthServicer
 from plumbing.security import Security
@@ -68,7 +68,7 @@ class Servers:
     def _interceptors(self, surface: str) -> list[grpc.aio.ServerInterceptor]:
         tokens = {PUBLIC: self.security.api_keys, INTERNAL: self.security.internal_secret}.get(surface)
         auth = [AuthInterceptor(tokens, surface, self._on_auth_refused)] if tokens is not None else []
-        return [*auth, rpc.ErrorMappingInterceptor()]
+        return [*tracing.server_interceptors(), *auth, rpc.ErrorMappingInterceptor()]
 
     def _credentials(self, surface: str) -> grpc.ServerCredentials | None:
         if surface == HEALTH or not self.security.serves_tls:

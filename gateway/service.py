@@ -117,7 +117,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 if response.finish_reason:
                     outcome = common_pb2.FinishReason.Name(response.finish_reason).lower()
                 yield response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled at a yield
             outcome = "cancelled"
             raise
         finally:

@@ -176,6 +176,7 @@ class Front:
     def _done(self, endpoint: str, response: Response) -> Response:
         if not isinstance(response, SSEResponse):  # a stream counts itself when it ends
             self.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
+            log.info("http.done", endpoint=endpoint, status=response.status_code)
         return response
 
     async def _sse(self, parsed: Parsed, calls: Calls, rid: str) -> AsyncIterator[dict[str, Any]]:
@@ -255,6 +256,7 @@ class SSEResponse(Response):
             self.calls.cancel()
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
+            log.info("http.done", endpoint=endpoint, status=int(status), stream=True)
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

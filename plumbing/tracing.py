@@ -13,8 +13,11 @@ apply, as the SDK reads them).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
+
+import grpc
 
 _UNTRACED_METHODS = ("Heartbeat", "RegisterWorker")
 _UNTRACED_SERVICES = ("grpc.health.", "grpc.reflection.")
@@ -71,12 +74,58 @@ def server_interceptors() -> list[Any]:
 
 
 def client_interceptors() -> list[Any]:
-    """The client span interceptors, which also inject ``traceparent`` (none while off)."""
+    """The client span interceptors, which also inject ``traceparent`` (none while off).
+
+    Unary calls use the instrumentation's interceptor. Server-streaming calls use
+    ``_StreamSpans``: the instrumentation's wraps the stream in an iterator whose span ends only
+    when the stream is read to its end, and the services read streams with ``read()`` and
+    stop at the finish message (the span would end whenever the iterator is collected)."""
     if _State.provider is None:
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-    return list(aio_client_interceptors(tracer_provider=_State.provider, filter_=_traced))
+    unary = [i for i in aio_client_interceptors(tracer_provider=_State.provider, filter_=_traced)
+             if isinstance(i, grpc.aio.UnaryUnaryClientInterceptor)]
+    return [*unary, _StreamSpans(_State.provider.get_tracer("splitserve.grpc"))]
+
+
+class _StreamSpans(grpc.aio.UnaryStreamClientInterceptor):
+    """A CLIENT span per server-streaming call, its context sent as ``traceparent``, ended
+    when the call is done (finished, failed or cancelled) with its status code."""
+
+    def __init__(self, tracer: Any) -> None:
+        self._tracer = tracer
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        if not _traced(details):
+            return await continuation(details, request)
+        from opentelemetry import propagate, trace
+
+        method = details.method.decode() if isinstance(details.method, bytes) else str(details.method)
+        service, _, name = method.lstrip("/").rpartition("/")
+        span = self._tracer.start_span(method, kind=trace.SpanKind.CLIENT, attributes={
+            "rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        propagate.inject(metadata, context=trace.set_span_in_context(span))
+        try:
+            call = await continuation(grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
+                                                                 details.credentials, details.wait_for_ready),
+                                      request)
+        except BaseException:
+            span.end()
+            raise
+        call.add_done_callback(lambda done: asyncio.ensure_future(_end(span, done)))
+        return call
+
+
+async def _end(span: Any, call: Any) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    code = await call.code()
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code != grpc.StatusCode.OK:
+        span.set_status(Status(StatusCode.ERROR, code.name))
+    span.end()
 
 
 def http_span(name: str, headers: Any) -> Any:

@@ -18,8 +18,8 @@ import grpc
 import structlog
 from google.protobuf import unknown_fields
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from plumbing.reflection import add_reflection
 from plumbing.transport import TransportError, TransportUnavailable
 
 REQUEST_ID_KEY = "x-request-id"
@@ -257,9 +257,7 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     """Register grpc.health.v1 (every service SERVING) and server reflection."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    add_reflection(server, [*service_names, health.SERVICE_NAME])
     return servicer
 
 

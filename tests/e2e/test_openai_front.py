@@ -293,3 +293,15 @@ def test_reflection_v1_answers_like_v1alpha(cluster: Cluster) -> None:
     gateway = next(f for f in files if f.name == "splitserve/v1/gateway.proto")
     comments = [loc.leading_comments for loc in gateway.source_code_info.location]
     assert " Public inference API.\n" in comments
+
+
+def test_the_http_vs_grpc_benchmark_runs_both_ways_alike(cluster: Cluster) -> None:
+    from bench.http_vs_grpc import measure
+    from bench.workload import LengthDist, synthetic
+
+    requests = synthetic(4, 0, vocab_size=512, prompt=LengthDist(20, 40), output=LengthDist(6, 6))
+    results = measure(cluster.addresses["gateway"], cluster.addresses["http"], "target", requests,
+                      concurrency=2, rounds=1)
+    assert results["grpc"]["errors"] == [] and results["http_sse"]["errors"] == []
+    assert results["http_vs_grpc"]["same_text"]
+    assert results["grpc"]["output_tokens_per_s"] > 0 and results["http_sse"]["output_tokens_per_s"] > 0

@@ -30,9 +30,9 @@ class SSEConnection:
         if self._writer is not None:
             self._writer.close()
 
-    async def _send(self, event: Any) -> None:
+    async def _send(self, *events: Any) -> None:
         assert self._writer is not None
-        self._writer.write(self._conn.send(event))
+        self._writer.write(b"".join(self._conn.send(event) or b"" for event in events))
         await self._writer.drain()
 
     async def _events(self) -> AsyncIterator[Any]:
@@ -50,11 +50,10 @@ class SSEConnection:
         """POST ``body``; yield (perf_counter time, data) for each ``data:`` event until
         ``[DONE]``. A non-200 reply raises RuntimeError with its body."""
         payload = json.dumps(body).encode()
-        await self._send(h11.Request(method="POST", target=path, headers=[
+        await self._send(h11.Request(method="POST", target=path, headers=[  # one write: no Nagle wait
             ("host", f"{self.host}:{self.port}"), ("content-type", "application/json"),
-            ("content-length", str(len(payload))), ("accept", "text/event-stream")]))
-        await self._send(h11.Data(data=payload))
-        await self._send(h11.EndOfMessage())
+            ("content-length", str(len(payload))), ("accept", "text/event-stream")]),
+            h11.Data(data=payload), h11.EndOfMessage())
         status, buffer = 0, b""
         async for event in self._events():
             if isinstance(event, h11.Response):

@@ -51,8 +51,14 @@ class Gateway:
     def stub(self) -> gateway_pb2_grpc.GatewayStub:
         return gateway_pb2_grpc.GatewayStub(self.channel)
 
-    async def refresh(self) -> None:
-        info = await self.stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=10, metadata=self.metadata)
+    async def refresh(self, metadata: tuple[tuple[str, str], ...] | None = None) -> None:
+        """Ask the gateway for its model (with the client's API key when given); ApiError
+        carrying the gateway's status when it cannot answer."""
+        try:
+            info = await self.stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=10,
+                                           metadata=self.metadata if metadata is None else metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc(exc.code(), exc.details() or "") from None
         self.model, self.max_model_len = info.model, info.max_model_len
 
 
@@ -86,9 +92,9 @@ class Front:
 
     async def models(self, request: Request) -> Response:
         try:
-            await self.gateway.refresh()
-        except grpc.aio.AioRpcError as exc:
-            return error_response(from_rpc(exc.code(), exc.details() or ""))
+            await self.gateway.refresh(self._auth(request))
+        except ApiError as exc:
+            return error_response(exc)
         return JSONResponse({"object": "list", "data": [
             {"id": self.gateway.model, "object": "model", "created": 0, "owned_by": "splitserve",
              "max_model_len": self.gateway.max_model_len}]})
@@ -160,18 +166,20 @@ class Front:
             raise bad_field("body", f"is not valid JSON ({exc})") from None
         parsed = parse(body, chat, self.default_max_tokens)
         if not self.gateway.model:
-            await self.gateway.refresh()
+            await self.gateway.refresh(self._auth(request))
         if parsed.model != self.gateway.model:
             raise ApiError(404, f"the model `{parsed.model}` does not exist (served: {self.gateway.model})",
                            "not_found_error", "model", "model_not_found")
         return parsed
 
     def _metadata(self, request: Request, request_id: str) -> tuple[tuple[str, str], ...]:
-        metadata = ((REQUEST_ID_KEY, request_id),)
+        return ((REQUEST_ID_KEY, request_id), *self._auth(request))
+
+    def _auth(self, request: Request) -> tuple[tuple[str, str], ...]:
+        """The client's ``Authorization`` (its API key is the gateway's to check), else the
+        front's own ``--token``."""
         authorization = request.headers.get("authorization")
-        if authorization:  # the client's API key is the gateway's to check
-            return (*metadata, ("authorization", authorization))
-        return (*metadata, *self.gateway.metadata)
+        return (("authorization", authorization),) if authorization else self.gateway.metadata
 
     def _done(self, endpoint: str, response: Response) -> Response:
         if not isinstance(response, SSEResponse):  # a stream counts itself when it ends

@@ -124,8 +124,8 @@ def measure(gateway: str, http: str, model: str, requests: list[RequestSpec], co
             rounds: int) -> dict:
     bursts = {"grpc": lambda reqs: _grpc_burst(gateway, reqs, concurrency),
               "http_sse": lambda reqs: _http_burst(http, model, reqs, concurrency)}
-    for burst in bursts.values():  # warm-up, not counted
-        asyncio.run(burst(requests[:concurrency]))
+    for burst in bursts.values():  # warm-up with the whole workload (first-use costs of each shape), not counted
+        asyncio.run(burst(requests))
     runs: dict[str, list[dict]] = {name: [] for name in bursts}
     for round_index in range(rounds):
         for name in (list(bursts) if round_index % 2 == 0 else list(reversed(bursts))):

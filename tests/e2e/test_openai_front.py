@@ -305,3 +305,14 @@ def test_the_http_vs_grpc_benchmark_runs_both_ways_alike(cluster: Cluster) -> No
     assert results["grpc"]["errors"] == [] and results["http_sse"]["errors"] == []
     assert results["http_vs_grpc"]["same_text"]
     assert results["grpc"]["output_tokens_per_s"] > 0 and results["http_sse"]["output_tokens_per_s"] > 0
+
+
+def test_the_gateway_echoes_a_valid_request_id_and_refuses_a_bad_one(cluster: Cluster) -> None:
+    with grpc.insecure_channel(cluster.addresses["gateway"]) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        call = stub.Generate(make_request("def f(", 2), timeout=30, metadata=(("x-request-id", "abc-123"),))
+        list(call)
+        assert ("x-request-id", "abc-123") in tuple(call.initial_metadata())
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(make_request("def f(", 2), timeout=30, metadata=(("x-request-id", "a b"),)))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-request-id" in caught.value.details()

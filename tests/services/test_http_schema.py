@@ -83,3 +83,14 @@ def test_gateway_statuses_map_to_http_and_the_proto_field_to_the_parameter() -> 
                                                     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                                     grpc.StatusCode.INTERNAL)] == [401, 429, 503, 504, 500]
     assert from_rpc(grpc.StatusCode.UNAVAILABLE, "no live decode worker").param is None
+
+
+def test_request_ids_are_checked_for_length_and_charset() -> None:
+    from plumbing.rpc import check_request_id
+
+    assert check_request_id(None) is None
+    assert check_request_id("3f2a-9b.c_d:1") == "3f2a-9b.c_d:1"
+    assert check_request_id("a" * 128) == "a" * 128
+    for bad in ("", "a" * 129, "has space", "new\nline", '{"json": 1}', "caf\u00e9"):
+        with pytest.raises(ValueError, match="x-request-id"):
+            check_request_id(bad)

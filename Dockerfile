@@ -16,6 +16,7 @@ COPY protos ./protos
 COPY engine ./engine
 COPY kernels ./kernels
 COPY gateway ./gateway
+COPY http_front ./http_front
 COPY prefill_worker ./prefill_worker
 COPY decode_worker ./decode_worker
 COPY plumbing ./plumbing

@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
 
-.PHONY: setup run test bench report wheel-check vllm-venv clean
+.PHONY: setup run test tools bench report wheel-check vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto)
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,15 @@ run: $(STAMP)
 		--chat "$(CHAT)" --max-tokens 256; \
 	rc=$$?; kill -TERM $$up; wait $$up; tail -n 1 .cache/logs/up.log; exit $$rc
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(PY) -m pytest -q -n auto --dist loadgroup
+
+# promtool (Debian's prometheus package) for the metrics check of tests/e2e/test_openai_front.py;
+# best effort: without it that one check is skipped, with the reason.
+tools:
+	@command -v promtool > /dev/null 2>&1 || (apt-get install -y -qq --no-install-recommends prometheus \
+		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)) > /dev/null 2>&1 \
+		|| echo "promtool not installed: the promtool check will be skipped"
 
 # The benchmarks are the `bench` package (bench/README.md), installed with the project; they
 # write to bench/results/ and keep their random models in .cache/, both under this folder.

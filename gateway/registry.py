@@ -222,6 +222,13 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
             await entry.channel.close()
 
     # -- routing ------------------------------------------------------------------------
+    def num_serving(self, role: str) -> int:
+        """Serving workers of ``role`` ("prefill" or "decode"); safe from another thread (the
+        metrics server's): the entries are copied in one step under the GIL, then only read."""
+        wanted = common_pb2.WORKER_ROLE_DECODE if role == "decode" else common_pb2.WORKER_ROLE_PREFILL
+        return sum(1 for w in list(self.workers.values())
+                   if w.role == wanted and w.state == common_pb2.WORKER_STATE_SERVING)
+
     def live(self, role: int) -> list[WorkerEntry]:
         return [w for w in self.workers.values()
                 if w.role == role and w.state == common_pb2.WORKER_STATE_SERVING]

@@ -46,6 +46,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     registry = Registry(model_name, config.heartbeat_period_ms, config.heartbeat_miss_count,
                         startup_grace_s=config.startup_grace_s, security=security.channels(),
                         routing=config.routing, routing_metrics=metrics.routing)
+    metrics.count_workers(registry.num_serving)
     service = GatewayService(config, registry, tokenizer, limits, metrics, model_name)
     servers = Servers(security, metrics.count_auth_failure)
     host = config.server.host

@@ -33,10 +33,11 @@ from gateway.request import GatewayRequest
 from gateway.text import TextStream
 from gateway.prompt import prompt_token_ids
 from gateway.validation import Limits, ValidatedRequest, finish, precheck
+from plumbing import tracing
 from plumbing.config import GatewayConfig
 from plumbing.identity import mint_id
 from plumbing.metrics import GatewayMetrics
-from plumbing.rpc import REQUEST_ID_KEY, TRACEPARENT_KEY, ServiceError, metadata_value
+from plumbing.rpc import REQUEST_ID_KEY, TRACEPARENT_KEY, ServiceError, check_request_id, metadata_value
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
@@ -91,16 +92,19 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         rid = mint_id()
-        structlog.contextvars.bind_contextvars(request_id=str(rid))
-        await context.send_initial_metadata(((REQUEST_ID_KEY, str(rid)),))
+        # The client's x-request-id names the request in every service's log lines and is
+        # echoed; the minted id keys the request between the services (unguessable).
+        log_id = check_request_id(metadata_value(context, REQUEST_ID_KEY)) or str(rid)
+        structlog.contextvars.bind_contextvars(request_id=log_id)
+        await context.send_initial_metadata(((REQUEST_ID_KEY, log_id),))
         if self.num_in_flight >= self.config.max_in_flight:
             self.metrics.requests.labels(outcome="resource_exhausted").inc()
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.num_in_flight} requests in flight (max_in_flight={self.config.max_in_flight})")
         validated = await self._validate(request)
-        metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, str(rid)),)
+        metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, log_id),)
         traceparent = metadata_value(context, TRACEPARENT_KEY)
-        if traceparent is not None:
+        if traceparent is not None and not tracing.enabled():  # else the tracing interceptor sends its own
             metadata += ((TRACEPARENT_KEY, traceparent),)
         req = GatewayRequest(rid, validated, TextStream(self.tokenizer, validated.prompt_token_ids,
                                                         validated.stop_strings),
@@ -113,7 +117,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 if response.finish_reason:
                     outcome = common_pb2.FinishReason.Name(response.finish_reason).lower()
                 yield response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled at a yield
             outcome = "cancelled"
             raise
         finally:

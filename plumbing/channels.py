@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import structlog
 
+from plumbing import tracing
 from plumbing.auth import TokenSet, bearer_metadata
 from plumbing.rpc import channel_options
 from plumbing.tls import TlsStore
@@ -42,7 +43,9 @@ class ChannelSecurity:
         return bearer_metadata(self.secret.first() if self.secret is not None else None)
 
     def dial(self, address: str, interceptors: list[Any] | None = None) -> grpc.aio.Channel:
+        """A channel to ``address``; its calls are traced when tracing is on (``plumbing/tracing.py``)."""
         options = channel_options()
+        interceptors = [*(interceptors or []), *tracing.client_interceptors()]
         if self.tls is None:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         return grpc.aio.secure_channel(address, self.tls.channel_credentials(),

@@ -140,6 +140,7 @@ class EngineServicer:
         in_transfer = self.blocks_in_transfer()
         self.metrics.kv_blocks_free.set(load.num_blocks_free)
         self.metrics.kv_blocks_used.set(load.num_blocks_total - load.num_blocks_free)
+        self.metrics.kv_cache_usage.set(1 - load.num_blocks_free / load.num_blocks_total if load.num_blocks_total else 0)
         self.metrics.kv_blocks_in_transfer.set(in_transfer)
         self.metrics.running.set(load.num_running)
         self.metrics.waiting.set(load.num_waiting)

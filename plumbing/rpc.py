@@ -18,12 +18,14 @@ import grpc
 import structlog
 from google.protobuf import unknown_fields
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from plumbing.reflection import add_reflection
 from plumbing.transport import TransportError, TransportUnavailable
 
 REQUEST_ID_KEY = "x-request-id"
 TRACEPARENT_KEY = "traceparent"  # W3C trace context, passed through to the workers
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.:")
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's default; larger requests get RESOURCE_EXHAUSTED
 
 log = structlog.get_logger()
@@ -62,6 +64,17 @@ def peer_host(context: grpc.aio.ServicerContext) -> str | None:
         if peer.startswith(prefix):
             return peer[len(prefix):].rsplit(":", 1)[0].strip("[]")
     return None
+
+
+def check_request_id(value: str | None) -> str | None:
+    """A client's ``x-request-id`` as given, None when absent; ValueError when it is longer
+    than 128 characters or holds a character outside ``[A-Za-z0-9._:-]`` (UUIDs, Envoy's
+    ids and the like pass; nothing that could forge a log field or a header does)."""
+    if value is None:
+        return None
+    if not value or len(value) > MAX_REQUEST_ID_CHARS or not _REQUEST_ID_CHARS.issuperset(value):
+        raise ValueError(f"x-request-id must be 1-{MAX_REQUEST_ID_CHARS} characters of [A-Za-z0-9._:-]")
+    return value
 
 
 def metadata_value(context: grpc.aio.ServicerContext, name: str) -> str | None:
@@ -213,9 +226,16 @@ def _stream_stream(inner: Callable[..., AsyncIterator[Any]], method: str) -> Cal
 def _bind(context: grpc.aio.ServicerContext, method: str) -> None:
     for key, field in ((REQUEST_ID_KEY, "request_id"), (TRACEPARENT_KEY, "traceparent")):
         value = metadata_value(context, key)
-        if value is not None:
+        if value is not None and _loggable(value):
             structlog.contextvars.bind_contextvars(**{field: value})
     structlog.contextvars.bind_contextvars(rpc=method.rsplit("/", 1)[-1])
+
+
+def _loggable(value: str) -> bool:
+    try:
+        return check_request_id(value) is not None  # a traceparent is of the same charset
+    except ValueError:
+        return False
 
 
 def make_server(options: Iterable[tuple[str, Any]] = (),
@@ -237,9 +257,7 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     """Register grpc.health.v1 (every service SERVING) and server reflection."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    add_reflection(server, [*service_names, health.SERVICE_NAME])
     return servicer
 
 

@@ -33,11 +33,11 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from plumbing import rpc
+from plumbing import rpc, tracing
 from plumbing.auth import AuthInterceptor
 from plumbing.health import SERVING, DrainingHealthServicer
+from plumbing.reflection import add_reflection
 from plumbing.security import Security
 
 log = structlog.get_logger()
@@ -68,7 +68,7 @@ class Servers:
     def _interceptors(self, surface: str) -> list[grpc.aio.ServerInterceptor]:
         tokens = {PUBLIC: self.security.api_keys, INTERNAL: self.security.internal_secret}.get(surface)
         auth = [AuthInterceptor(tokens, surface, self._on_auth_refused)] if tokens is not None else []
-        return [*auth, rpc.ErrorMappingInterceptor()]
+        return [*tracing.server_interceptors(), *auth, rpc.ErrorMappingInterceptor()]
 
     def _credentials(self, surface: str) -> grpc.ServerCredentials | None:
         if surface == HEALTH or not self.security.serves_tls:
@@ -84,8 +84,7 @@ class Servers:
             add(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if surface != HEALTH:
-            reflection.enable_server_reflection(
-                [*names, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+            add_reflection(server, [*names, "grpc.health.v1.Health"])
         credentials = self._credentials(surface)
         address = f"{host}:{port}"
         bound = (server.add_insecure_port(address) if credentials is None

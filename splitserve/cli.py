@@ -1,7 +1,8 @@
 """``splitserve`` command line.
 
 ``up`` runs a local cluster (gateway + prefill + decode workers) on the default model;
-``gateway`` / ``prefill`` / ``decode`` run one service (compose, Kubernetes);
+``gateway`` / ``prefill`` / ``decode`` run one service (compose, Kubernetes); ``http`` the
+OpenAI-compatible HTTP front of a gateway;
 ``generate`` streams a completion or a chat answer through a gateway (or ``--in-process``
 on the engine); ``fetch`` fetches the default model into the cache.
 Every flag can also be set as ``SPLITSERVE_<FLAG>`` (see ``plumbing.config``).
@@ -119,6 +120,9 @@ def _run_service(args: argparse.Namespace) -> int:
     from plumbing.logs import configure_logging
 
     configure_logging(args.command, args.log_level)
+    from plumbing.tracing import configure_tracing
+
+    configure_tracing(args.command)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the service listens for it (a reload)
     try:
         if args.command == "gateway":
@@ -136,7 +140,39 @@ def _run_service(args: argparse.Namespace) -> int:
     except ValueError as exc:
         sys.stderr.write(f"splitserve {args.command}: {exc}\n")
         return 2
-    asyncio.run(coro)
+    try:
+        asyncio.run(coro)
+    finally:
+        from plumbing.tracing import shutdown
+
+        shutdown()
+    return 0
+
+
+def _run_http(args: argparse.Namespace) -> int:
+    """``splitserve http``: the OpenAI-compatible HTTP front of a gateway."""
+    import asyncio
+
+    from http_front.config import http_config
+    from plumbing.logs import configure_logging
+
+    configure_logging("http", args.log_level)
+    from plumbing.tracing import configure_tracing
+
+    configure_tracing("http")
+    try:
+        config = http_config(args)
+    except ValueError as exc:
+        sys.stderr.write(f"splitserve http: {exc}\n")
+        return 2
+    from http_front.server import serve_http
+
+    try:
+        asyncio.run(serve_http(config))
+    finally:
+        from plumbing.tracing import shutdown
+
+        shutdown()
     return 0
 
 
@@ -271,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
         cfg.add_worker_flags(worker, default_model())
         worker.set_defaults(func=_run_service)
 
+    front = sub.add_parser("http", help="run the OpenAI-compatible HTTP front of a gateway")
+    from http_front.config import add_http_flags
+
+    add_http_flags(front)
+    front.set_defaults(func=_run_http)
+
     fetch = sub.add_parser("fetch", help="fetch the default model into the cache (once); print its path")
     fetch.add_argument("--quiet", action="store_true", help="no progress output")
     fetch.set_defaults(func=_fetch)
@@ -297,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_flag(up, "--log-level", default="info", help="debug|info|warning|error")
     cfg.add_flag(up, "--local-prefill-max-tokens", type=int, default=32,
                  help="gateway: prompts shorter than this prefill on the decode worker (0: never)")
+    cfg.add_flag(up, "--http-port", type=int, default=-1,
+                 help="also run the OpenAI-compatible HTTP front on this port (0: a free one; -1: none)")
     cfg.add_flag(up, "--log-dir", default=None, help="write each service's log here (default: inherit stderr)")
     cfg.add_flag(up, "--tls", action="store_true",
                  help="make a throwaway CA and certificate (in --log-dir, else a temporary folder): "

@@ -52,7 +52,8 @@ class Cluster:
                  worker_flags: list[str] | None = None, prefill_flags: list[str] | None = None,
                  decode_flags: list[str] | None = None, metrics_port: int = -1,
                  log_dir: str | None = None, log_level: str = "info", tls: Bundle | None = None,
-                 api_keys: list[str] | None = None) -> None:
+                 api_keys: list[str] | None = None, http_port: int | None = None,
+                 http_flags: list[str] | None = None) -> None:
         self.model = model
         self.port = port
         self.num_prefill = num_prefill
@@ -65,6 +66,8 @@ class Cluster:
         self.metrics_port = metrics_port
         self.log_dir = Path(log_dir) if log_dir else None
         self.log_level = log_level
+        self.http_port = http_port  # None: no HTTP front; 0: a free port (addresses["http"])
+        self.http_flags = http_flags or []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.addresses: dict[str, str] = {}
         self._commands: dict[str, tuple[str, list[str]]] = {}  # name -> (role, flags), for restart
@@ -132,7 +135,17 @@ class Cluster:
         for name, proc, ready in waiting:
             self._ready(name, proc, ready, timeout_s)
         self._wait_registered(timeout_s)
+        if self.http_port is not None:
+            self._start_http(timeout_s)
         return self.addresses["gateway"]
+
+    def _start_http(self, timeout_s: float) -> None:
+        """The OpenAI-compatible front (``splitserve http``), a client of the gateway."""
+        flags = ["--gateway", self.addresses["gateway"], "--http-port", str(self.http_port)]
+        if self.tls:
+            flags += ["--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
+        proc, ready = self._spawn("http", "http", [*flags, *self.http_flags])
+        self._ready("http", proc, ready, timeout_s)
 
     def _wait_registered(self, timeout_s: float) -> None:
         from splitserve.client import wait_for_workers
@@ -163,7 +176,9 @@ class Cluster:
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every child (workers first), wait, SIGKILL stragglers; return exit codes."""
-        order = [n for n in self.procs if n != "gateway"] + (["gateway"] if "gateway" in self.procs else [])
+        first = [n for n in ("http",) if n in self.procs]  # the front before the services it calls
+        order = first + [n for n in self.procs if n not in ("gateway", "http")] + (
+            ["gateway"] if "gateway" in self.procs else [])
         for name in order:
             if self.procs[name].poll() is None:
                 self.procs[name].send_signal(signal.SIGTERM)
@@ -203,6 +218,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         threads=args.threads, worker_flags=extra, metrics_port=args.metrics_port,
         gateway_flags=["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)],
         log_dir=args.log_dir, log_level=args.log_level, tls=bundle,
+        http_port=args.http_port if args.http_port >= 0 else None,
     )
     stopping = False
 
@@ -225,7 +241,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         cluster.stop(grace_s=5)
         return 1
     tls_flag = f" --tls-ca {bundle.ca}" if bundle else ""
-    log.info("up.ready", gateway=address, num_prefill=args.num_prefill, num_decode=args.num_decode,
+    log.info("up.ready", gateway=address, http=cluster.addresses.get("http"), num_prefill=args.num_prefill, num_decode=args.num_decode,
              tls_ca=str(bundle.ca) if bundle else None,
              hint=f"splitserve generate --gateway {address}{tls_flag} 'def fibonacci(n):'")
     while not stopping:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
+DESCRIPTOR_SET = Path("splitserve") / "v1" / "descriptors.binpb"
 
 
 def proto_files(proto_dir: Path = PROTO_DIR) -> list[Path]:
@@ -37,6 +38,10 @@ def generate(out_dir: Path = ROOT, proto_dir: Path = PROTO_DIR) -> list[Path]:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
+        # The descriptors again, with their comments (source info), for server reflection
+        # (plumbing/reflection.py): the generated modules carry none.
+        f"--descriptor_set_out={out_dir / DESCRIPTOR_SET}",
+        "--include_source_info",
         *[str(f) for f in files],
     ]
     if protoc.main(args) != 0:
@@ -45,7 +50,7 @@ def generate(out_dir: Path = ROOT, proto_dir: Path = PROTO_DIR) -> list[Path]:
     for f in files:
         stem = out_dir / f.relative_to(proto_dir).with_suffix("")
         written += [Path(f"{stem}_pb2.py"), Path(f"{stem}_pb2_grpc.py"), Path(f"{stem}_pb2.pyi")]
-    return written
+    return [*written, out_dir / DESCRIPTOR_SET]
 
 
 def main() -> int:

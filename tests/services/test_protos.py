@@ -19,7 +19,7 @@ def test_every_proto_is_generated_into_a_fresh_directory(tmp_path: Path) -> None
     written = protogen.generate(tmp_path)
     assert {p.name for p in written} == {
         f"{m}{suffix}" for m in MODULES for suffix in ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
-    }
+    } | {"descriptors.binpb"}
     assert all(p.is_file() and p.stat().st_size > 0 for p in written)
     # The fresh copy imports on its own (what a clean clone's install produces).
     code = "import splitserve.v1.gateway_pb2_grpc as g; print(g.GatewayStub.__name__)"
@@ -27,6 +27,12 @@ def test_every_proto_is_generated_into_a_fresh_directory(tmp_path: Path) -> None
                          env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "GatewayStub"
+    # The descriptors again, with their comments, for server reflection (plumbing/reflection.py).
+    from google.protobuf import descriptor_pb2
+
+    files = descriptor_pb2.FileDescriptorSet.FromString((tmp_path / protogen.DESCRIPTOR_SET).read_bytes()).file
+    assert {f.name for f in files} == {f"splitserve/v1/{m}.proto" for m in MODULES}
+    assert all(any(loc.leading_comments for loc in f.source_code_info.location) for f in files)
 
 
 def test_generated_code_is_not_committed() -> None:

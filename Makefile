@@ -39,12 +39,16 @@ run: $(STAMP)
 test: $(STAMP) tools
 	$(PY) -m pytest -q -n auto --dist loadgroup
 
-# promtool (Debian's prometheus package) for the metrics check of tests/e2e/test_openai_front.py;
-# best effort: without it that one check is skipped, with the reason.
+# promtool (Debian's prometheus package) for the metrics check of tests/e2e/test_openai_front.py,
+# buf (npm's @bufbuild/buf, into .cache/buf) for tests/services/test_buf_lint.py; best effort:
+# without one, its check is skipped, with the reason.
 tools:
 	@command -v promtool > /dev/null 2>&1 || (apt-get install -y -qq --no-install-recommends prometheus \
 		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)) > /dev/null 2>&1 \
 		|| echo "promtool not installed: the promtool check will be skipped"
+	@test -x .cache/buf/node_modules/.bin/buf || command -v buf > /dev/null 2>&1 \
+		|| npm install -s --prefix .cache/buf @bufbuild/buf@1.75.0 > /dev/null 2>&1 \
+		|| echo "buf not installed: the buf lint check will be skipped"
 
 # The benchmarks are the `bench` package (bench/README.md), installed with the project; they
 # write to bench/results/ and keep their random models in .cache/, both under this folder.

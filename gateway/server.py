@@ -57,7 +57,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     health_address = servers.add_health(host, config.server.health_port)
     await servers.start()
     registry.start()
-    metrics_port = serve_metrics(metrics.registry, host, config.server.metrics_port)
+    metrics_port = serve_metrics(metrics.registry, host, config.server.metrics_port, {"model": model_name})
     await servers.set_serving(False)  # until workers registered (or the grace ran out)
     ready = asyncio.ensure_future(_serving_once_registered(registry, servers, config.startup_grace_s))
     reloads = asyncio.ensure_future(security.watch())

@@ -182,7 +182,8 @@ async def serve_worker(
     health_address = servers.add_health(config.server.host, config.server.health_port)
     public = f"{config.server.public_host}:{address.rsplit(':', 1)[1]}"
     await servers.start()
-    metrics_port = serve_metrics(worker.metrics.registry, config.server.host, config.server.metrics_port)
+    metrics_port = serve_metrics(worker.metrics.registry, config.server.host, config.server.metrics_port,
+                                 {"model": Path(config.engine.model).name})
     await servers.set_serving(True)
     worker.registration = RegistrationClient(
         config.gateway, worker.role, public, Path(config.engine.model).name,

@@ -1,15 +1,19 @@
 """Prometheus metrics (``splitserve_*``), one registry per service process.
 
 Each service builds the metrics it owns and serves ``/metrics`` on its own port
-(``--metrics-port``; 0 picks a free port, -1 disables the endpoint).
+(``--metrics-port``; 0 picks a free port, -1 disables the endpoint). Every sample served
+carries the process's constant labels too (``model``; a worker's own metrics carry ``role``),
+added at scrape time, so the metrics themselves are declared once without them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # Time to first token and between tokens: CPU decode steps take 2-20 ms, so the buckets are
@@ -20,11 +24,30 @@ _TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.
 _BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(0, 10))
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int | None:
-    """Start the /metrics endpoint; returns the bound port (None when disabled)."""
+class ConstLabels(Collector):
+    """``registry``'s metrics with ``labels`` added to every sample that lacks them."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._registry = registry
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                out.add_sample(s.name, {**s.labels, **{k: v for k, v in self._labels.items() if k not in s.labels}},
+                               s.value, s.timestamp, s.exemplar)
+            yield out
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, labels: dict[str, str]) -> int | None:
+    """Start the /metrics endpoint, every sample labelled with ``labels`` as well (``model``);
+    returns the bound port (None when disabled)."""
     if port < 0:
         return None
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    served = CollectorRegistry(auto_describe=False)
+    served.register(ConstLabels(registry, labels))
+    server, _thread = start_http_server(port, addr=host, registry=served)
     return int(server.server_port)
 
 

@@ -248,12 +248,12 @@ def test_prometheus_metrics_count_what_was_served(cluster: Cluster) -> None:
     res = stream(cluster.addresses["gateway"], make_request(list(range(500, 580)), 6))
     assert res.error is None
     gw = _scrape(METRICS_PORTS["gateway"])
-    assert gw["splitserve_ttft_seconds_count"] >= 1
-    assert gw["splitserve_inter_token_latency_seconds_count"] >= 1
+    assert gw['splitserve_ttft_seconds_count{model="target"}'] >= 1  # every sample names the model
+    assert gw['splitserve_inter_token_latency_seconds_count{model="target"}'] >= 1
     dec = _scrape(METRICS_PORTS["decode-0"])
-    assert dec['splitserve_kv_transfer_bytes_total{role="decode"}'] >= res.timings.transfer_bytes > 0
-    assert dec['splitserve_kv_blocks_free{role="decode"}'] > 0
-    assert 'splitserve_spec_decode_draft_tokens_total{role="decode"}' in dec
+    assert dec['splitserve_kv_transfer_bytes_total{model="target",role="decode"}'] >= res.timings.transfer_bytes > 0
+    assert dec['splitserve_kv_blocks_free{model="target",role="decode"}'] > 0
+    assert 'splitserve_spec_decode_draft_tokens_total{model="target",role="decode"}' in dec
 
 
 def test_request_id_is_on_the_lines_of_all_three_services(cluster: Cluster) -> None:

@@ -163,7 +163,7 @@ def scrape(port: int) -> str:
 
 def test_disconnect_mid_stream_cancels_both_legs_and_frees_every_block(client: openai.OpenAI,
                                                                       cluster: Cluster) -> None:
-    cancelled = 'splitserve_requests_total{outcome="cancelled"}'
+    cancelled = 'splitserve_requests_total{model="target",outcome="cancelled"}'
     before = metric(scrape(cluster.metrics_base), cancelled)
     stream = client.completions.create(model="target", prompt=PROMPTS[0] * 10, max_tokens=400, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
@@ -251,9 +251,9 @@ def test_promtool_finds_every_services_metrics_clean(client: openai.OpenAI, clus
         checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
                                  timeout=30)
         assert checked.returncode == 0 and not checked.stdout.strip(), (name, checked.stdout, checked.stderr)
-    assert metric(texts["gateway"], 'splitserve_workers{role="decode"}') == 1
-    assert metric(texts["gateway"], 'splitserve_workers{role="prefill"}') == 1
-    assert 'splitserve_kv_cache_usage_ratio{role="decode"}' in texts["decode-0"]
+    assert metric(texts["gateway"], 'splitserve_workers{model="target",role="decode"}') == 1
+    assert metric(texts["gateway"], 'splitserve_workers{model="target",role="prefill"}') == 1
+    assert 'splitserve_kv_cache_usage_ratio{model="target",role="decode"}' in texts["decode-0"]
 
 
 

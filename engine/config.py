@@ -78,6 +78,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
+    @property
+    def quantization_name(self) -> str:
+        """How workers report it (registration, GetInfo): "none", "int8" or "int4-g<group>"."""
+        return f"int4-g{self.quant_group_size}" if self.quantization == "int4" else self.quantization
+
     def kv_block_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         if self.kv_cache_dtype == "int8":  # int8 values, then the row's float32 scale
             return 2 * num_layers * self.block_size * num_kv_heads * (head_dim + KV_INT8_SCALE_BYTES)

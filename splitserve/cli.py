@@ -136,7 +136,11 @@ def _run_service(args: argparse.Namespace) -> int:
     except ValueError as exc:
         sys.stderr.write(f"splitserve {args.command}: {exc}\n")
         return 2
-    asyncio.run(coro)
+    try:
+        asyncio.run(coro)
+    except ValueError as exc:  # a setting the model cannot take (e.g. an int4 group size), found at load
+        sys.stderr.write(f"splitserve {args.command}: {exc}\n")
+        return 2
     return 0
 
 

@@ -60,15 +60,15 @@ class Int8Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.device = weight.device
-        self.qweight, scales = qm.quantize_int8(weight)
+        self.qweight, self.scales = qm.quantize_int8(weight)  # [N, K] int8, [N] float32
         self.bias = bias
         # CPU: the packed kernel takes its scales in the activations' (bfloat16) dtype.
-        self.scales = scales if self.device.type != "cpu" else scales.to(torch.bfloat16)
-        self.nbytes = self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+        self.scales_bf16 = self.scales.to(torch.bfloat16)
+        self.nbytes = self.qweight.numel() + self.scales.numel() * 6
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if self.device.type == "cpu":
-            y = qm.int8_matmul_cpu(x.contiguous(), self.qweight, self.scales)
+            y = qm.int8_matmul_cpu(x.contiguous(), self.qweight, self.scales_bf16, self.scales)
         elif _use_triton(self.device):
             from kernels.quant_matmul_triton import int8_matmul_triton
 

@@ -60,11 +60,11 @@ def _assert_close_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), SMOLLM2_SHAPES + [(48, 64)])
-@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("m", [1, 7, qm.INT8_GEMM_MIN_ROWS + 3])  # packed kernel, then bf16 GEMM
 def test_int8_cpu_matches_reference(n: int, k: int, m: int) -> None:
     w, x = _weight(n, k), _x(m, k)
     q, scales = qm.quantize_int8(w)
-    got = qm.int8_matmul_cpu(x, q, scales.to(torch.bfloat16))
+    got = qm.int8_matmul_cpu(x, q, scales.to(torch.bfloat16), scales)
     want = qm.int8_matmul_ref(x.bfloat16().float(), q, scales.bfloat16().float())
     assert got.dtype == torch.float32 and got.shape == (m, n)
     _assert_close_bf16(got, want)

@@ -69,8 +69,6 @@ def check_paged_attention_args(
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
-
-
 class _Workspace:
     """Grow-only scratch tensors reused across calls, one per (name, dtype, device).
 

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from engine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_QUANTIZATIONS = ("none", "int8", "int4")
+_QUANT_GROUP_SIZES = (32, 64, 128)
+_KV_CACHE_DTYPES = ("auto", "int8")
+KV_INT8_SCALE_BYTES = 4  # one float32 scale per (token, kv head) row (kernels/kv_int8.py)
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
@@ -17,6 +21,11 @@ class EngineConfig:
     The KV pool is sized by ``num_kv_blocks`` when given, else by ``kv_cache_bytes``
     (default 512 MiB). ``max_model_len`` defaults to the checkpoint's
     ``max_position_embeddings``.
+
+    Quantization: ``quantization`` ``"int8"`` / ``"int4"`` quantizes the weights at load
+    (engine/quant/linear.py; int4 in groups of ``quant_group_size`` input features);
+    ``kv_cache_dtype="int8"`` stores K/V as int8 with a float32 scale per token and head
+    (kernels/kv_int8.py); ``"auto"`` stores them in ``dtype``.
     """
 
     model: str
@@ -34,6 +43,9 @@ class EngineConfig:
     # Incremental text in outputs (RequestOutput.new_text). The serving workers turn it off:
     # only the gateway needs text, and it detokenizes there.
     detokenize: bool = True
+    quantization: str = "none"  # "none" | "int8" | "int4": weight-only, at load
+    quant_group_size: int = 32  # int4: input features per scale/zero group
+    kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "int8"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -56,8 +68,24 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        self._validate_quantization()
+
+    def _validate_quantization(self) -> None:
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quant_group_size not in _QUANT_GROUP_SIZES:
+            raise ValueError(f"quant_group_size must be one of {_QUANT_GROUP_SIZES}, got {self.quant_group_size}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+    @property
+    def quantization_name(self) -> str:
+        """How workers report it (registration, GetInfo): "none", "int8" or "int4-g<group>"."""
+        return f"int4-g{self.quant_group_size}" if self.quantization == "int4" else self.quantization
 
     def kv_block_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        if self.kv_cache_dtype == "int8":  # int8 values, then the row's float32 scale
+            return 2 * num_layers * self.block_size * num_kv_heads * (head_dim + KV_INT8_SCALE_BYTES)
         itemsize = 4 if self.dtype == "float32" else 2
         return 2 * num_layers * self.block_size * num_kv_heads * head_dim * itemsize
 

@@ -9,10 +9,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cpu_tuning import tune_glibc_malloc
-from engine.kv_layout import KVLayout
+from engine.kv_layout import INT8_SCALE_BYTES, KVLayout
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import load_hf_config, load_weights
 from engine.models.spec import load_model_spec, resolve_max_model_len
+from engine.quant.linear import WeightQuant
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_probs
 from engine.sampling_params import SamplingParams
@@ -83,6 +84,15 @@ def make_forward_batch(
     )
 
 
+def kv_row_width(kv_cache_dtype: str, head_dim: int) -> int:
+    """Last dimension of the KV cache: head_dim, or for int8 the values and their scale."""
+    if kv_cache_dtype != "int8":
+        return head_dim
+    if head_dim % INT8_SCALE_BYTES:
+        raise ValueError(f"kv_cache_dtype int8 needs head_dim to be a multiple of 4; the model's is {head_dim}")
+    return head_dim + INT8_SCALE_BYTES
+
+
 def _is_plain_greedy(params: SamplingParams) -> bool:
     """Greedy with no history-dependent logit processing: the token is the raw argmax."""
     return params.greedy and params.repetition_penalty == 1.0
@@ -101,7 +111,8 @@ class ModelRunner:
         self.spec = load_model_spec(config.model)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
         weights = load_weights(config.model, self.dtype)
-        self.model = LlamaModel(self.spec, self.hf_config, weights, self.max_model_len, self.device)
+        quant = None if config.quantization == "none" else WeightQuant(config.quantization, config.quant_group_size)
+        self.model = LlamaModel(self.spec, self.hf_config, weights, self.max_model_len, self.device, quant)
         self.block_size = config.block_size
         self.num_kv_blocks = config.resolve_num_kv_blocks(
             self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
@@ -112,8 +123,8 @@ class ModelRunner:
             self.num_kv_blocks,
             self.block_size,
             self.spec.num_kv_heads,
-            self.spec.head_dim,
-            dtype=self.dtype,
+            kv_row_width(config.kv_cache_dtype, self.spec.head_dim),
+            dtype=torch.int8 if config.kv_cache_dtype == "int8" else self.dtype,
             device=self.device,
         )
         self.sampler = Sampler()
@@ -135,7 +146,7 @@ class ModelRunner:
         if not isinstance(packed, torch.Tensor):
             raise ValueError(f"packed must be a torch.Tensor, got {type(packed).__name__}")
         want = self.kv_layout.packed_shape(len(block_ids))
-        if tuple(packed.shape) != want or packed.dtype != self.kv_cache.dtype:
+        if tuple(packed.shape) != want or packed.dtype != self.kv_cache.dtype:  # int8: values + scales
             raise ValueError(
                 f"packed must be {want} {self.kv_cache.dtype}, got {tuple(packed.shape)} {packed.dtype}"
             )

@@ -31,7 +31,7 @@ import grpc
 import structlog
 
 from gateway.prefix_index import PrefixIndex
-from gateway.reports import check_kv_events, check_load, check_state
+from gateway.reports import check_kv_events, check_load, check_quantization, check_state
 from gateway.routing import Router
 from plumbing.config import RoutingConfig
 from plumbing.identity import mint_id
@@ -63,6 +63,8 @@ class WorkerEntry:
     # Routed by this gateway and not finished yet (decayed by heartbeats' real numbers).
     num_routed: int = 0
     num_routed_prefill_tokens: int = 0
+    quantization: str = "none"  # as registered (GetInfo)
+    kv_layout: common_pb2.KVLayout | None = None  # as registered (GetInfo)
 
     @property
     def stub(self) -> object:
@@ -78,6 +80,7 @@ class WorkerEntry:
         return gateway_pb2.WorkerInfo(
             worker_id=self.worker_id, role=self.role, address=self.address, state=self.state,
             load=self.load, heartbeat_age_ms=int((now - self.last_beat) * 1000),
+            quantization=self.quantization, kv_layout=self.kv_layout,
         )
 
 
@@ -115,6 +118,7 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
         if not request.incarnation:
             raise ValueError("incarnation must be set (the worker process's incarnation)")
         check_load(request.load, "load")
+        quantization = check_quantization(request.quantization, "quantization")
         for old in [w for w in self.workers.values() if w.address == request.address]:
             self.drop(old.worker_id, "another process registered at its address")
         channel = PeerChannel(request.address, self.security)
@@ -128,7 +132,8 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
             worker_id = mint_id()
         entry = WorkerEntry(worker_id, request.role, request.address, channel, stub_type,
                             request.load, request.incarnation,
-                            prefix=PrefixIndex(request.kv_layout.block_size, request.load.kv_blocks_total))
+                            prefix=PrefixIndex(request.kv_layout.block_size, request.load.kv_blocks_total),
+                            quantization=quantization, kv_layout=request.kv_layout)
         self.workers[worker_id] = entry
         self.changed.set()
         if request.role == common_pb2.WORKER_ROLE_DECODE:

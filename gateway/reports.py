@@ -30,6 +30,17 @@ _STATES = (common_pb2.WORKER_STATE_UNSPECIFIED, common_pb2.WORKER_STATE_SERVING,
            common_pb2.WORKER_STATE_DRAINING)
 
 
+QUANTIZATIONS = ("none", "int8", "int4-g32", "int4-g64", "int4-g128")
+
+
+def check_quantization(quantization: str, field: str) -> str:
+    """A registration's weight quantization (unset: "none"); ValueError naming ``field``."""
+    value = quantization or "none"
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"{field} must be one of {QUANTIZATIONS}, got {quantization[:32]!r}")
+    return value
+
+
 def check_load(load: common_pb2.WorkerLoad, field: str, kv_blocks_total: int | None = None) -> None:
     """Raise ValueError naming ``field.<gauge>`` when ``load`` cannot be true; with
     ``kv_blocks_total``, the pool must still have that size."""

@@ -12,6 +12,14 @@ Triton is installed) and the reference otherwise:
 * ``pack_kv(kv_cache, block_ids)`` / ``unpack_kv(kv_cache, buffer, block_ids)``: gather a
   sequence's pages of every layer into one contiguous buffer for a KV transfer, and
   scatter it into other block ids. kernels/kv_pack.py
+* An int8 cache (``--kv-cache-dtype int8``) takes the same calls: ``write_kv`` quantizes,
+  ``paged_attention`` dequantizes inside the call; rows are ``head_dim`` int8 values then
+  their float32 scale. kernels/kv_int8.py (format, references, Triton write), the Triton
+  attention's ``KV_INT8`` path in kernels/paged_attention.py
+
+Weight-only quantized matmuls (called by engine/quant/linear.py, not through ``ops``):
+kernels/quant_matmul.py (int8/int4 formats, quantizing, torch references, the CPU path on
+torch's packed kernels) and kernels/quant_matmul_triton.py (the Triton dequant-matmuls).
 
 Cache layout, shared by the engine: ``kv_cache`` is
 ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``, contiguous; a

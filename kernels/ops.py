@@ -11,9 +11,10 @@ from collections.abc import Sequence
 import torch
 
 from kernels._triton_compat import HAS_TRITON
+from kernels import kv_int8
 from kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
 from kernels.kv_write import write_kv_ref, write_kv_triton
-from kernels.paged_attention import paged_attention_triton
+from kernels.paged_attention import paged_attention_int8_triton, paged_attention_triton
 from kernels.paged_attention_ref import paged_attention_ref
 
 
@@ -29,7 +30,12 @@ def write_kv(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 skips the token
 ) -> None:
-    """Store each token's K/V at its slot (``block_id * block_size + offset``)."""
+    """Store each token's K/V at its slot (``block_id * block_size + offset``). An int8
+    cache (kernels/kv_int8.py) stores them quantized, each row with its scale."""
+    if k_cache.dtype == torch.int8:
+        int8_impl = kv_int8.write_kv_int8_triton if use_triton(key.device) else kv_int8.write_kv_int8_ref
+        int8_impl(key, value, k_cache, v_cache, slot_mapping)
+        return
     impl = write_kv_triton if use_triton(key.device) else write_kv_ref
     impl(key, value, k_cache, v_cache, slot_mapping)
 
@@ -43,7 +49,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of a ragged batch (decode, prefill, chunked prefill) over paged KV."""
+    """Causal attention of a ragged batch (decode, prefill, chunked prefill) over paged KV.
+    An int8 cache is dequantized inside the attention call (kernels/kv_int8.py)."""
+    if k_cache.dtype == torch.int8:
+        int8_impl = paged_attention_int8_triton if use_triton(query.device) else kv_int8.paged_attention_int8_ref
+        return int8_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     impl = paged_attention_triton if use_triton(query.device) else paged_attention_ref
     return impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 

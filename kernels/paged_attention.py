@@ -6,6 +6,7 @@ torch reference it must equal are in ``kernels/paged_attention_ref.py``. Output 
 import torch
 
 from kernels._triton_compat import require_triton, tl, triton
+from kernels.kv_int8 import check_int8_cache
 from kernels.paged_attention_ref import check_paged_attention_args
 
 # ----------------------------------------------------------------------------------------
@@ -45,6 +46,8 @@ def _paged_attention_kernel(
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,  # KV_INT8: the caches' storage seen as float32 (kernels/kv_int8.py)
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -65,6 +68,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,7 +113,11 @@ def _paged_attention_kernel(
         k = tl.load(
             k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
         )
-        s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+        k = k.to(tl.float32)
+        if KV_INT8:  # each row's scale sits right after its head_dim int8 values
+            k_scale = tl.load(k_scale_ptr + (kv_offs + HEAD_DIM) // 4, mask=n_mask, other=0.0)
+            k = k * k_scale[None, :]
+        s = tl.dot(q, k, input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
 
@@ -120,7 +128,11 @@ def _paged_attention_kernel(
         v = tl.load(
             v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
         )
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        v = v.to(tl.float32)
+        if KV_INT8:
+            v_scale = tl.load(v_scale_ptr + (kv_offs + HEAD_DIM) // 4, mask=n_mask, other=0.0)
+            v = v * v_scale[:, None]
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
 
     acc = acc / l_i[:, None]
@@ -162,6 +174,32 @@ def paged_attention_triton(
     require_triton()
     check_paged_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check_kernel_layout(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    return _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, kv_int8=False)
+
+
+def paged_attention_int8_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim + 4] int8 (kernels/kv_int8.py)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, new tokens included
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
+    """Triton version of :func:`kernels.kv_int8.paged_attention_int8_ref`: each K/V tile is
+    dequantized in registers as it is loaded."""
+    require_triton()
+    head_dim = query.shape[2]
+    check_int8_cache(head_dim, k_cache, v_cache)
+    # The shared checks, on the shape and dtype the dequantized cache would have.
+    values = torch.empty((*k_cache.shape[:3], head_dim), dtype=query.dtype, device="meta")
+    check_paged_attention_args(query, values, values, block_tables, seq_lens, query_start_loc)
+    _check_kernel_layout(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    return _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, kv_int8=True)
+
+
+def _launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, kv_int8: bool) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -174,30 +212,14 @@ def paged_attention_triton(
     block_q = block_m // group_pad
     block_n = triton.next_power_of_2(max(16, block_size))  # may span several pages
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    k_scale = k_cache.view(torch.float32) if kv_int8 else k_cache
+    v_scale = v_cache.view(torch.float32) if kv_int8 else v_cache
     _paged_attention_kernel[grid](
-        out,
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        float(scale),
-        num_seqs,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        QUERIES_PER_KV=queries_per_kv,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
+        out, query, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+        float(scale), num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, KV_INT8=kv_int8,
     )
     return out

@@ -254,6 +254,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def add_engine_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--model", default=default_model, help="local checkpoint directory or .gguf file")
     add_flag(p, "--dtype", default="float32", help="float32|bfloat16|float16")
+    add_flag(p, "--quantization", default="none", choices=["none", "int8", "int4"],
+             help="weight-only quantization at load: int8 per output channel, int4 in groups")
+    add_flag(p, "--quant-group-size", type=int, default=32, help="int4: input features per group (32|64|128)")
+    add_flag(p, "--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+             help="KV cache element type: auto (= --dtype) or int8 (per token and head scales)")
     add_flag(p, "--device", default="cpu", help="cpu or cuda[:n]")
     add_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(p, "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
@@ -280,7 +285,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        num_threads=args.threads, speculative=speculative,
+        num_threads=args.threads, speculative=speculative, quantization=args.quantization,
+        quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
         detokenize=False,  # workers stream token ids; the gateway detokenizes
     )
 

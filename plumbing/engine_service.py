@@ -189,6 +189,7 @@ async def serve_worker(
         config.gateway, worker.role, public, Path(config.engine.model).name,
         kv_layout_to_proto(engine.kv_layout), worker.load_snapshot, worker.incarnation,
         security=worker.channel_security, kv_events=KVEventSender(engine.kv_events),
+        quantization=config.engine.quantization_name,
     )
     worker.registration.start()
     reloads = asyncio.ensure_future(worker.security.watch())

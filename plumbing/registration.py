@@ -37,6 +37,7 @@ class RegistrationClient:
         incarnation: int,
         security: ChannelSecurity | None = None,
         kv_events: KVEventSender | None = None,
+        quantization: str = "none",
     ) -> None:
         # The gateway's internal port: mTLS and/or the shared secret (plumbing/channels.py).
         self._channel = PeerChannel(gateway_address, security or ChannelSecurity())
@@ -44,6 +45,7 @@ class RegistrationClient:
         self._address = address
         self._model = model
         self._layout = kv_layout
+        self._quantization = quantization
         self._load = load
         self.incarnation = incarnation
         self.gateway_incarnation = 0  # from the last registration
@@ -58,6 +60,7 @@ class RegistrationClient:
             gateway_pb2.RegisterWorkerRequest(
                 role=self._role, address=self._address, model=self._model,
                 kv_layout=self._layout, load=self._load(), incarnation=self.incarnation,
+                quantization=self._quantization,
             ),
             timeout=5.0,
         )

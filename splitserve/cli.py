@@ -142,6 +142,9 @@ def _run_service(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(coro)
+    except ValueError as exc:  # a setting the model cannot take (e.g. an int4 group size), found at load
+        sys.stderr.write(f"splitserve {args.command}: {exc}\n")
+        return 2
     finally:
         from plumbing.tracing import shutdown
 

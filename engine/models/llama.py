@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
+from engine.quant.linear import LinearLayer, WeightQuant, linear_factory, lm_head_linear
 from kernels import ops
 
 
@@ -39,14 +40,13 @@ class ForwardBatch:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv_weight: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    qkv: LinearLayer  # hidden -> q_size + 2 * kv_size (bias: Qwen2)
     q_norm: torch.Tensor | None  # [head_dim]
     k_norm: torch.Tensor | None  # [head_dim]
-    o_weight: torch.Tensor  # [hidden, q_size]
+    o: LinearLayer  # q_size -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
-    down_weight: torch.Tensor  # [hidden, intermediate]
+    gate_up: LinearLayer  # hidden -> 2 * intermediate
+    down: LinearLayer  # intermediate -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,9 +77,12 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         max_model_len: int,
         device: torch.device,
+        quant: WeightQuant | None = None,
     ) -> None:
         self.spec = spec
         self.device = device
+        self.quant = quant  # weight-only quantization at load (engine/quant/linear.py)
+        self._linear = linear_factory(quant)
         self.scale = spec.head_dim**-0.5
         self._load(weights)
         inv_freq, attn_scaling = rope_inv_freq(hf_config)
@@ -98,9 +101,9 @@ class LlamaModel:
         self.layers = [self._load_layer(weights, i) for i in range(spec.num_layers)]
         self.final_norm = self._take(weights, "model.norm.weight")
         if spec.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
+            self.lm_head = lm_head_linear(self.embed, self.quant)
         else:
-            self.lm_head = self._take(weights, "lm_head.weight")
+            self.lm_head = lm_head_linear(self._take(weights, "lm_head.weight"), self.quant)
 
     def _load_layer(self, w: dict[str, torch.Tensor], i: int) -> _Layer:
         p = f"model.layers.{i}."
@@ -111,16 +114,16 @@ class LlamaModel:
         qk_norm = self.spec.qk_norm
         return _Layer(
             input_norm=self._take(w, p + "input_layernorm.weight"),
-            qkv_weight=qkv,
-            qkv_bias=bias,
+            qkv=self._linear(qkv, bias),
             q_norm=self._take(w, p + "self_attn.q_norm.weight") if qk_norm else None,
             k_norm=self._take(w, p + "self_attn.k_norm.weight") if qk_norm else None,
-            o_weight=self._take(w, p + "self_attn.o_proj.weight"),
+            o=self._linear(self._take(w, p + "self_attn.o_proj.weight"), None),
             post_norm=self._take(w, p + "post_attention_layernorm.weight"),
-            gate_up_weight=torch.cat(
-                [self._take(w, p + "mlp.gate_proj.weight"), self._take(w, p + "mlp.up_proj.weight")]
+            gate_up=self._linear(
+                torch.cat([self._take(w, p + "mlp.gate_proj.weight"), self._take(w, p + "mlp.up_proj.weight")]),
+                None,
             ),
-            down_weight=self._take(w, p + "mlp.down_proj.weight"),
+            down=self._linear(self._take(w, p + "mlp.down_proj.weight"), None),
         )
 
     def _build_rope_cache(self, inv_freq: torch.Tensor, scaling: float, max_len: int) -> None:
@@ -167,6 +170,8 @@ class LlamaModel:
         gathered context instead of the paged-attention op, so results agree to float
         rounding, not bit for bit.
         """
+        if kv_cache.dtype == torch.int8:  # its SDPA reads the cache directly (a draft model's, float)
+            raise ValueError("forward_sequence needs a float KV cache; an int8 cache goes through forward")
         num_tokens = len(token_ids)
         seq_len = start_position + num_tokens
         block_size = kv_cache.shape[3]
@@ -208,7 +213,7 @@ class LlamaModel:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
     def _layer(
         self,
@@ -224,7 +229,7 @@ class LlamaModel:
         spec = self.spec
         num_tokens = x.shape[0]
         h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
-        qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+        qkv = layer.qkv(h)
         num_qk_heads = spec.num_heads + spec.num_kv_heads
         qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, num_qk_heads, spec.head_dim)
         v = qkv[:, spec.q_size + spec.kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
@@ -238,7 +243,7 @@ class LlamaModel:
         qk = apply_rope(qk, cos, sin)
         q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
         attn = attend(i, q, k, v)
-        x = x + F.linear(attn.reshape(num_tokens, spec.q_size), layer.o_weight)
+        x = x + layer.o(attn.reshape(num_tokens, spec.q_size))
         h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
-        gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down_weight)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)

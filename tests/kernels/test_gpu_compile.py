@@ -25,20 +25,22 @@ from triton.compiler import ASTSource
 if "nvidia" not in triton.backends.backends:
     print("SKIP: triton has no nvidia backend"); sys.exit(0)
 
+from kernels.kv_int8 import _write_kv_int8_kernel
 from kernels.kv_pack import _copy_pages_kernel
 from kernels.kv_write import _write_kv_kernel
 from kernels.paged_attention import _paged_attention_kernel
+from kernels.quant_matmul_triton import _int4_matmul_kernel, _int8_matmul_kernel
 
 INDEX_PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
               "slot_mapping_ptr": "*i64", "block_ids_ptr": "*i64"}
 
-def compile_for_sm90(kernel, dtype, constexprs):
+def compile_for_sm90(kernel, dtype, constexprs, ptr_types=None):
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = INDEX_PTRS.get(name, "*" + dtype)
+            signature[name] = (ptr_types or {}).get(name) or INDEX_PTRS.get(name, "*" + dtype)
         else:
             signature[name] = "fp32" if name == "scale" else "i32"
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
@@ -53,16 +55,25 @@ attention = [
 ]
 for dtype, per_kv, group_pad, block_q, block_n, block_size, head_dim in attention:
     constexprs = dict(QUERIES_PER_KV=per_kv, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=16,
-                      BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+                      BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, KV_INT8=False)
     compile_for_sm90(_paged_attention_kernel, dtype, constexprs)
     # num_seqs == 1 arrives as a constexpr when Triton specializes on the value 1.
     compile_for_sm90(_paged_attention_kernel, dtype, dict(constexprs, num_seqs=1))
+    # The int8 KV cache: int8 pages, their scales read through a float32 view.
+    int8_kv = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    compile_for_sm90(_paged_attention_kernel, dtype, dict(constexprs, KV_INT8=True), int8_kv)
 for dtype in ("fp32", "bf16"):
     write = dict(NUM_KV_HEADS=3, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128)
     compile_for_sm90(_write_kv_kernel, dtype, write)
     for gather in (True, False):
         copy = dict(PAGE_NUMEL=4096, BLOCK=2048, GATHER=gather)
         compile_for_sm90(_copy_pages_kernel, dtype, copy)
+    compile_for_sm90(_write_kv_int8_kernel, dtype, dict(NUM_KV_HEADS=3, HEAD_DIM=128, BLOCK_H=4),
+                     {"cache_ptr": "*i8", "cache_f32_ptr": "*fp32"})
+    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
+    compile_for_sm90(_int8_matmul_kernel, dtype, tiles, {"w_ptr": "*i8", "scales_ptr": "*fp32"})
+    compile_for_sm90(_int4_matmul_kernel, dtype, dict(tiles, GROUP_SIZE=32),
+                     {"packed_ptr": "*u8", "scales_ptr": "*fp32", "zeros_ptr": "*fp32"})
 print("ok")
 """
 

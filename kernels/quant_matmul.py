@@ -1,0 +1,168 @@
+"""Weight-only quantized matmuls, ``y = x @ dequant(W).T``: formats, torch references, and
+the CPU path on PyTorch's packed kernels (the Triton kernels: kernels/quant_matmul_triton.py).
+
+Formats (``W`` is ``[N = out_features, K = in_features]``)::
+
+    int8, per output channel (symmetric):
+        qweight  [N, K] int8 in [-127, 127]       W[n, k] ~ qweight[n, k] * scales[n]
+        scales   [N] float32
+
+    int4, grouped along K (asymmetric, the convention of torch's int4 kernels):
+        packed   [N, K // 2] uint8, byte j of a row holds q[2j] (low nibble) and
+                 q[2j + 1] (high nibble), q in [0, 15]
+        scales   [N, K // group_size] float32
+        zeros    [N, K // group_size] float32     W[n, k] ~ (q[n, k] - 8) * scales[n, g] + zeros[n, g]
+                                                   with g = k // group_size
+
+The CPU path runs ``torch.ops.aten._weight_int8pack_mm`` (few rows; from
+``INT8_GEMM_MIN_ROWS`` rows on a bfloat16 GEMM, below) and
+``_weight_int4pack_mm_for_cpu`` (its own packing, ``_convert_weight_to_int4pack_for_cpu``).
+Both are fast only with bfloat16 activations (measured on this project's 2-core Sapphire
+Rapids host, the 135M model's shapes at one row: 3-25x faster than with float32
+activations, which take a scalar path), so float32 activations are rounded to bfloat16 for
+the product and the result cast back; accumulation is in float32 inside the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+INT4_CPU_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: N must be a multiple of this
+
+
+# -- quantizing (at load) -------------------------------------------------------------------
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` float -> (qweight [N, K] int8, scales [N] float32): each row's largest
+    magnitude maps to 127, values round to nearest."""
+    w = weight.to(torch.float32)
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return qweight, scales
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[N, K]`` float -> (packed [N, K // 2] uint8, scales, zeros [N, K // group_size]
+    float32): each group of ``group_size`` weights of a row maps its [min, max] onto the
+    16 levels (min -> 0, max -> 15), values round to nearest. ``ValueError`` when
+    ``group_size`` does not divide K or is odd."""
+    n, k = weight.shape
+    if group_size < 2 or group_size % 2 or k % group_size:
+        raise ValueError(f"group size {group_size} must be even and divide in_features={k}")
+    w = weight.to(torch.float32).view(n, k // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((high - low) / 15.0).clamp(min=1e-12)
+    q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).view(n, k)
+    zeros = low + 8.0 * scales  # so that (q - 8) * scale + zero = low + q * scale
+    return pack_int4(q), scales, zeros
+
+
+# -- references --------------------------------------------------------------------------
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:  # [N, K] float32
+    return qweight.to(torch.float32) * scales.to(torch.float32)[:, None]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:  # [N, K // 2] uint8 -> [N, K] uint8 in [0, 15]
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).view(packed.shape[0], -1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:  # [N, K] integers in [0, 15] -> [N, K // 2] uint8
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:  # [N, K] float32
+    q = unpack_int4(packed).to(torch.float32)
+    n, k = q.shape
+    grouped = q.view(n, k // group_size, group_size) - 8.0
+    w = grouped * scales.to(torch.float32)[..., None] + zeros.to(torch.float32)[..., None]
+    return w.view(n, k)
+
+
+def int8_matmul_ref(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K] int8
+    scales: torch.Tensor,  # [N]
+) -> torch.Tensor:  # [M, N], x's dtype
+    """Torch reference: dequantize to float32, multiply in float32."""
+    return (x.to(torch.float32) @ dequantize_int8(qweight, scales).T).to(x.dtype)
+
+
+def int4_matmul_ref(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,  # [N, K // 2] uint8
+    scales: torch.Tensor,  # [N, K // group_size]
+    zeros: torch.Tensor,  # [N, K // group_size]
+    group_size: int,
+) -> torch.Tensor:  # [M, N], x's dtype
+    """Torch reference: dequantize to float32, multiply in float32."""
+    w = dequantize_int4(packed, scales, zeros, group_size)
+    return (x.to(torch.float32) @ w.T).to(x.dtype)
+
+
+# -- CPU: PyTorch's packed kernels ---------------------------------------------------------
+
+
+def check_int4_cpu_shape(out_features: int, in_features: int, group_size: int) -> None:
+    """``ValueError`` when torch's CPU int4 kernel cannot take this weight."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 on CPU needs a group size in {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(f"group size {group_size} does not divide in_features={in_features}")
+    if out_features % INT4_CPU_N_MULTIPLE:
+        raise ValueError(
+            f"int4 on CPU needs out_features to be a multiple of {INT4_CPU_N_MULTIPLE}, got {out_features}"
+        )
+
+
+def int4_cpu_pack(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our int4 format -> (torch's CPU int4 packing [N, K // 2] uint8, scales_and_zeros
+    [K // group_size, N, 2] bfloat16), what :func:`int4_matmul_cpu` takes."""
+    q = unpack_int4(packed).to(torch.int32)
+    cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_and_zeros = torch.stack((scales.T, zeros.T), dim=-1).to(torch.bfloat16).contiguous()
+    return cpu_packed, scales_and_zeros
+
+
+# From this many rows on, int8 x bfloat16 runs as a bfloat16 GEMM (oneDNN; AMX where the CPU
+# has it) on the int8 weight converted to bfloat16 (exact: |q| <= 127), the per-channel scale
+# applied to the output. Measured on the 135M model's projections, one thread: at 64 rows
+# 0.55x float32's time against 1.5x for _weight_int8pack_mm; at 16 rows 0.71x against 0.75x.
+INT8_GEMM_MIN_ROWS = 16
+
+
+def int8_matmul_cpu(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K] int8
+    scales_bf16: torch.Tensor,  # [N] bfloat16
+    scales: torch.Tensor | None = None,  # [N] float32; needed from INT8_GEMM_MIN_ROWS rows on
+) -> torch.Tensor:  # [M, N], x's dtype
+    if x.shape[0] >= INT8_GEMM_MIN_ROWS and scales is not None:
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), qweight.to(torch.bfloat16))
+        return (y.to(torch.float32) * scales).to(x.dtype)
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scales_bf16)
+    return y.to(x.dtype)
+
+
+def int4_matmul_cpu(
+    x: torch.Tensor,  # [M, K]
+    cpu_packed: torch.Tensor,  # from int4_cpu_pack
+    scales_and_zeros: torch.Tensor,  # [K // group_size, N, 2] bfloat16
+    group_size: int,
+) -> torch.Tensor:  # [M, N], x's dtype
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16), cpu_packed, group_size, scales_and_zeros
+    )
+    return y.to(x.dtype)

@@ -1,0 +1,27 @@
+"""bench.quant's arithmetic: greedy agreement and the goal table."""
+
+from bench.quant import goals
+from bench.quant_quality import agreement
+
+
+def test_agreement_counts_identical_prefixes_and_positions() -> None:
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    got = [[1, 2, 9, 4], [5, 6, 7, 8]]
+    out = agreement(ref, got)
+    assert out["identical_prefix_tokens"] == [2, 4]
+    assert out["identical_prefix_share"] == 6 / 8 and out["positionwise_share"] == 7 / 8
+    assert not out["all_identical"] and agreement(ref, ref)["all_identical"]
+
+
+def test_goals_read_each_figure_and_compare_it_with_its_bound() -> None:
+    report = {
+        "quality": {"ppl_ratio": {"int8": 1.02, "int4-g32": 1.05, "kv-int8": 1.0}},
+        "speed": {"batch1_ms_ratio": {"int8": 0.5, "int4-g32": 0.5},
+                  "batch64_tok_s_ratio": {"int8": 0.95, "int4-g32": 0.7}},
+        "bytes": {"handoff_bytes_ratio": {"kv-int8": 0.27}},
+    }
+    met = {g["figure"]: g["met"] for g in goals(report)}
+    assert met == {"ppl_ratio.int8": False, "ppl_ratio.int4-g32": True, "ppl_ratio.kv-int8": True,
+                   "batch1_ms_ratio.int8": True, "batch1_ms_ratio.int4-g32": False,
+                   "batch64_tok_s_ratio.int8": True, "batch64_tok_s_ratio.int4-g32": False,
+                   "handoff_bytes_ratio.kv-int8": True}

@@ -124,7 +124,7 @@ class KVHandoff(_Base):
         fresh = reservation.fresh_blocks
         num_pages = packed.shape[2] if isinstance(packed, torch.Tensor) and packed.dim() == 6 else -1
         if not is_int(first_page) or first_page < 0 or num_pages < 0 or first_page + num_pages > len(fresh):
-            raise ValueError(f"pages [{first_page}, {first_page} + {num_pages}) must lie within the "
+            raise ValueError(f"packed pages [{first_page}, {first_page} + {num_pages}) must lie within the "
                              f"reservation's {len(fresh)} fresh blocks")
         self.runner.unpack_kv([block.block_id for block in fresh[first_page:first_page + num_pages]], packed)
 

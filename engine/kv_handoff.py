@@ -51,12 +51,14 @@ class KVHandoff(_Base):
         here; the decode worker computes it). ValueError if nothing is held under the id."""
         return self.kv.held_block_ids(request_id)
 
-    def pack_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def pack_kv(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """A contiguous copy of pages ``block_ids`` of every layer,
         ``kv_layout.packed_shape(len(block_ids))`` = ``[L, 2, n, block_size, kv_heads,
-        head_dim]``. Being a copy, it stays valid after ``release_kv`` (on CUDA: for work
-        queued later on the same stream)."""
-        return self.runner.pack_kv(self._check_block_ids(block_ids, distinct=False))
+        head_dim]``, into ``out`` when given (a reused staging buffer of that shape; ValueError
+        otherwise). Being a copy, it stays valid after ``release_kv`` (on CUDA: for work
+        queued later on the same stream). Reads only the given blocks: another thread may
+        call it for blocks held under ``hold_kv`` while the engine steps."""
+        return self.runner.pack_kv(self._check_block_ids(block_ids, distinct=False), out)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks held under ``request_id`` (once). False if none are held."""

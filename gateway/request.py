@@ -38,6 +38,7 @@ class GatewayRequest:
     last_emit: float = 0.0
     first_token_at: float = 0.0
     timings: common_pb2.PhaseTimings | None = None
+    timings_pending: bool = False  # the first token came before the prefill's answer and its timings
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -4,8 +4,10 @@ The prefill worker is rank 0: it hosts the Gloo rendezvous (or makes the NCCL un
 and calls ``OpenKVChannel`` on the decode worker, which joins as rank 1 and answers with a
 random channel id and its incarnation. Sends must be posted in the order the decode worker
 posted its receives, so ``announce_and_send`` holds the pair's lock from ``AnnounceTransfer``
-until the send is queued on the channel's single sender thread, in one task shielded from
-the caller's cancellation (the lock is released when that task ends, never before).
+until the transfer's last message is packed and queued on the channel's single sender
+thread (``plumbing.transport.pages.send_chunks``: each message is packed while the previous
+ones are on the wire), in one task shielded from the caller's cancellation (the lock is
+released when that task ends, never before).
 
 A channel is used only with the decode incarnation it was opened with: a transfer whose
 target (``DecodeTarget.incarnation``) is another incarnation reopens it first, so a channel
@@ -32,9 +34,11 @@ from plumbing.convert import kv_layout_to_proto
 from plumbing.channels import ChannelSecurity, PeerChannel
 from plumbing.rpc import ServiceError
 from plumbing.transport import KVChannel, TransportUnavailable
+from plumbing.transport.pages import StagingPool, chunk_ranges, send_chunks
 from splitserve.v1 import decode_pb2_grpc, kv_transfer_pb2
 
 log = structlog.get_logger()
+PackChunk = Callable[[int, int, torch.Tensor], object]  # (first page, pages, buffer to fill)
 # The decode worker refused the transfer before posting a receive: the channel is in order.
 _CHANNEL_STILL_IN_ORDER = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
 
@@ -74,6 +78,7 @@ class ChannelPool:
         self.security = security or ChannelSecurity()
         self.worker_id = 0  # set once registered
         self._peers: dict[str, Peer] = {}
+        self._staging = StagingPool()  # send buffers, reused across transfers
         self._accepts: DaemonCalls[KVChannel] = DaemonCalls(
             "kv_channel_accept", max_running=8, max_queued=64, discard=lambda channel: channel.close())
 
@@ -85,13 +90,15 @@ class ChannelPool:
         return peer
 
     async def announce_and_send(self, address: str, incarnation: int, header: kv_transfer_pb2.TransferHeader,
-                                packed: torch.Tensor, tag: int) -> Future[None]:
+                                pack: PackChunk, tag: int) -> Future[None]:
         """Open (or reopen) the channel to decode incarnation ``incarnation`` at ``address``,
-        announce, post the send framed with ``tag``; returns the send's future."""
+        announce, then pack and post the transfer's messages (``header.chunk_blocks`` pages
+        each; ``pack(first_page, num_pages, buffer)`` fills one), framed with ``tag``;
+        returns the last send's future."""
         peer = self.peer(address)
         await peer.lock.acquire()  # cancellable: nothing has started yet
         try:
-            task = asyncio.ensure_future(self._open_announce_post(peer, incarnation, header, packed, tag))
+            task = asyncio.ensure_future(self._open_announce_post(peer, incarnation, header, pack, tag))
         except BaseException:
             peer.lock.release()
             raise
@@ -99,7 +106,7 @@ class ChannelPool:
         return await asyncio.shield(task)
 
     async def _open_announce_post(self, peer: Peer, incarnation: int, header: kv_transfer_pb2.TransferHeader,
-                                  packed: torch.Tensor, tag: int) -> Future[None]:
+                                  pack: PackChunk, tag: int) -> Future[None]:
         """Under the pair's lock: the channel, the announce, the send queued (in that order)."""
         if peer.channel is not None and (peer.channel.broken or peer.incarnation != incarnation):
             peer.drop_channel("broken" if peer.channel.broken else "the decode worker restarted")
@@ -120,7 +127,9 @@ class ChannelPool:
             raise
         if self.fault_stall_s:
             await asyncio.sleep(self.fault_stall_s)
-        return peer.channel.send(packed, tag=tag)
+        chunks = chunk_ranges(header.num_blocks, header.chunk_blocks)
+        return await asyncio.to_thread(send_chunks, peer.channel, chunks, tag, self._staging,
+                                       self.layout.packed_shape, getattr(torch, self.layout.dtype), pack)
 
     async def _open(self, peer: Peer) -> None:
         handshake = kv_transfer_pb2.KVChannelHandshake(

@@ -95,3 +95,39 @@ def send_chunks(channel: KVChannel, chunks: list[tuple[int, int]], tag: int, poo
     if last is None:
         raise ValueError("a transfer needs at least one chunk")
     return last
+
+
+def recv_chunks(channel: KVChannel, chunks: list[tuple[int, int]], tag: int, pool: StagingPool,
+                shape_of: Callable[[int], tuple[int, ...]], dtype: torch.dtype,
+                unpack: Callable[[int, torch.Tensor], None]) -> Future[None]:
+    """Post every message's receive now (in order); as each lands, ``unpack(first_page,
+    buffer)`` runs on the receiver thread while later ones are on the wire. The future is done
+    after the last unpack, or fails with the first error. (The decode worker's ``KVInbox``
+    does the same under its reservation's lock.)"""
+    done: Future[None] = Future()
+    left = [len(chunks)]
+    lock = threading.Lock()
+
+    def landed(start: int, buffer: torch.Tensor, error: BaseException | None) -> None:
+        with lock:
+            if done.done():
+                return
+            if error is None:
+                try:
+                    unpack(start, buffer)
+                except Exception as exc:  # noqa: BLE001 - fails the transfer
+                    error = exc
+                else:
+                    pool.give(buffer)
+            if error is not None:
+                done.set_exception(error)
+                return
+            left[0] -= 1
+            if not left[0]:
+                done.set_result(None)
+
+    for start, num in chunks:
+        buffer = pool.take(shape_of(num), dtype)
+        future = channel.recv(buffer, tag=tag)
+        future.add_done_callback(lambda f, s=start, b=buffer: landed(s, b, f.exception()))
+    return done

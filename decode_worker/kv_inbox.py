@@ -71,6 +71,7 @@ class KVInbox:
         self._max_timeout_s = max_timeout_s
         self._on_announced = on_announced  # the first token goes to the Decode stream
         self._staging = StagingPool()
+        self.receive_us: dict[str, int] = {}  # request id -> announce to last page written (the stream pops it)
         self.layout: KVLayout = engine.kv_layout
         self.channels = ChannelTable()
         self._joins: DaemonCalls[KVChannel] = DaemonCalls(
@@ -157,6 +158,7 @@ class KVInbox:
                 record.transfer.advance(TransferState.DONE)
         if error is None:
             seconds = time.monotonic() - record.recv_started
+            self.receive_us[record.request_id] = int(seconds * 1e6)
             self._metrics.transfer_bytes.inc(record.num_fresh_blocks * self.layout.bytes_per_block)
             self._metrics.transfer_seconds.observe(seconds)
             self._metrics.transfers.labels(role="decode", outcome="done").inc()

@@ -111,6 +111,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         finally:
             if not finished:
                 log.info("decode.stopped_early", request_id=rid)
+            self.inbox.receive_us.pop(rid, None)
             self.close_stream(rid, None if finished else
                               lambda e: self.reservations.forget(e, rid, "decode stream ended"))
 
@@ -138,6 +139,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
                 timings = common_pb2.PhaseTimings(
                     num_draft_tokens=item.num_draft_tokens, num_accepted_tokens=item.num_accepted_tokens,
                     num_cached_prompt_tokens=item.num_cached_tokens, prefill_us=prefill_us if local else 0,
+                    transfer_us=self.inbox.receive_us.pop(item.request_id, 0),
                 )
                 yield decode_pb2.DecodeResponse(finished=decode_pb2.DecodeFinished(
                     finish_reason=convert.FINISH_REASONS[item.finish_reason], timings=timings))

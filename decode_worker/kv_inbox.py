@@ -88,7 +88,7 @@ class KVInbox:
             raise ValueError("prefill_incarnation must be set (the prefill worker's incarnation)")
         timeout_s = min(max(request.timeout_ms, 1) / 1000.0, self._max_timeout_s)
         channel = await self._joins.run(lambda: kv_channels.join(request, caller, self._device, timeout_s))
-        channel_id = self.channels.add(channel, request.prefill_incarnation)
+        channel_id = self.channels.add(channel, request.prefill_incarnation, request.lane)
         log.info("kv.channel_open", channel_id=channel_id, transport=channel.kind.value,
                  prefill_worker_id=request.prefill_worker_id, prefill_incarnation=request.prefill_incarnation)
         return kv_transfer_pb2.KVChannelAccept(channel_id=channel_id, decode_incarnation=self._incarnation)

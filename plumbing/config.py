@@ -94,6 +94,7 @@ class WorkerConfig:
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
     max_reservations_per_request: int = 8  # decode: reservations one request id may take (leases are not renewable without end)
     kv_chunk_bytes: int = 2 << 20  # prefill: KV pages per message on the channel, in bytes (pipelined)
+    kv_channels_per_peer: int = 4  # prefill: lanes (channels) per decode worker, one transfer each at a time
     # Fault injection for the failure tests: the prefill worker sleeps this long between
     # announcing a transfer and posting its send (0: off).
     fault_transfer_stall_s: float = 0.0
@@ -103,6 +104,8 @@ class WorkerConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.kv_channels_per_peer < 1:
+            raise ValueError(f"kv_channels_per_peer must be >= 1, got {self.kv_channels_per_peer}")
         if self.kv_chunk_bytes < 1:
             raise ValueError(f"kv_chunk_bytes must be >= 1, got {self.kv_chunk_bytes}")
         if self.max_reservations_per_request < 1:
@@ -298,6 +301,8 @@ def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
              help="decode: KV reservations one request id may take on this worker")
     add_flag(p, "--kv-chunk-bytes", type=int, default=2 << 20,
              help="prefill: KV pages travel in messages of about this many bytes, packed while earlier ones are on the wire")
+    add_flag(p, "--kv-channels-per-peer", type=int, default=4,
+             help="prefill: KV channels to each decode worker; each carries one transfer at a time")
     add_flag(p, "--fault-transfer-stall-s", type=float, default=0.0,
              help="failure testing only: stall each KV send this long after announcing it")
 
@@ -308,6 +313,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         transport=args.transport, transfer_timeout_s=args.transfer_timeout_s,
         max_reservations_per_request=args.max_reservations_per_request,
         fault_transfer_stall_s=args.fault_transfer_stall_s, kv_chunk_bytes=args.kv_chunk_bytes,
+        kv_channels_per_peer=args.kv_channels_per_peer,
     )
 
 

@@ -2,10 +2,11 @@
 
 ``Prefill``: the prompt joins the engine's batch (chunked prefill, prefix cache) with
 ``max_tokens=1`` and ``hold_kv``; once the first token is sampled the transfer is announced
-to the decode worker (which streams the first token to the gateway at once), then the held
-pages the decode worker lacks are packed chunk by chunk into reused staging buffers (off the
-engine thread) and sent on the pair's channel while later chunks pack; once the last chunk
-is sent the held blocks are released (the decode worker's stream reports whether the pages
+to the decode worker (which streams the first token to the gateway at once) and, without
+waiting for the reply, the held pages the decode worker lacks are packed chunk by chunk into
+reused staging buffers (off the engine thread) and sent on one of the pair's lanes
+(``channels.py``) while later chunks pack; once the last chunk is sent the held blocks are
+released (the decode worker's stream reports whether the pages
 landed: no ``AwaitTransfer`` round trip). Any failure or cancellation releases them too —
 exactly once, in the ``finally`` — and the transport never touches a block, only the
 staging copies.
@@ -13,7 +14,6 @@ staging copies.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -43,7 +43,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         self.channels = ChannelPool(
             engine.kv_layout, config.resolved_transport(), config.server.public_host,
             config.engine.device, config.transfer_timeout_s, self.incarnation, config.fault_transfer_stall_s,
-            security=self.channel_security,
+            security=self.channel_security, num_lanes=config.kv_channels_per_peer,
         )
         self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request
         self._num_held_blocks = 0  # their sum (engine thread writes, heartbeats read an int)
@@ -126,14 +126,12 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         if first_logprob is not None:
             header.first_logprob.CopyFrom(first_logprob)
         t_transfer = time.monotonic()
-        send = await self.channels.announce_and_send(
+        wire_s = await self.channels.announce_and_send(
             target.address, target.incarnation, header,
             lambda start, n, out: self.engine.pack_kv(ids[start:start + n], out),
             frame_tag(target.transfer_id, target.transfer_secret))
-        t_wire = time.monotonic()
-        await asyncio.wrap_future(send)
         seconds = time.monotonic() - t_transfer
-        timings.transfer_wire_us = int((time.monotonic() - t_wire) * 1e6)
+        timings.transfer_wire_us = int(wire_s * 1e6)
         timings.transfer_us = int(seconds * 1e6)
         self.metrics.transfer_bytes.inc(num_bytes)
         self.metrics.transfer_seconds.observe(seconds)

@@ -315,8 +315,8 @@ def test_only_the_blocks_the_decode_worker_lacks_travel(cluster: Cluster) -> Non
     in GetStats and Prometheus, and the output is the in-process engine's."""
     gw = cluster.addresses["gateway"]
     decode = cluster.addresses["decode-0"]
-    prefix = list(range(700, 764))  # 4 blocks of 16
-    first, second = prefix + list(range(800, 900)), prefix + list(range(900, 1000))  # 164 tokens: 11 blocks
+    prefix = list(range(2000, 2064))  # 4 blocks of 16 no other test sends
+    first, second = prefix + list(range(2100, 2200)), prefix + list(range(2200, 2300))  # 164 tokens: 11 blocks
     before = worker_stats(gw)[decode]
     scraped = _scrape(METRICS_PORTS["decode-0"]).get('splitserve_prefix_cache_hit_tokens_total{role="decode"}', 0.0)
     res1 = stream(gw, make_request(first, 6))

@@ -44,6 +44,7 @@ from splitserve.v1 import kv_transfer_pb2
 log = structlog.get_logger()
 MAX_JOINS_RUNNING = 2  # channel joins at once (each a daemon thread, bounded by the capped timeout)
 MAX_JOINS_QUEUED = 4  # more waiting than this: RESOURCE_EXHAUSTED at once
+MAX_MESSAGES = 1024  # messages one transfer may take (TransferHeader.chunk_blocks)
 # One answer for an unknown transfer id and a wrong secret: nothing tells which ids exist.
 _NO_SUCH_TRANSFER = "transfer_id and transfer_secret name no live transfer here"
 
@@ -109,6 +110,9 @@ class KVInbox:
                 or header.num_cached_blocks != record.num_cached_blocks or header.num_blocks != record.num_fresh_blocks):
             raise ValueError("request_id, num_prompt_tokens, num_cached_blocks and num_blocks must be the "
                              "reservation's (num_blocks: the blocks after its num_cached_blocks)")
+        chunks = chunk_ranges(header.num_blocks, header.chunk_blocks)
+        if len(chunks) > MAX_MESSAGES:
+            raise ValueError(f"chunk_blocks: a transfer may be at most {MAX_MESSAGES} messages")
         try:
             record.transfer.advance(TransferState.BOOTSTRAPPING)
         except InvalidTransition:
@@ -116,7 +120,7 @@ class KVInbox:
                                "transfer_id was announced already or has ended") from None
         record.header = header
         record.channel_id = header.channel_id
-        self._post_receives(record, channel, chunk_ranges(header.num_blocks, header.chunk_blocks))
+        self._post_receives(record, channel, chunks)
         self._on_announced(record)
         return kv_transfer_pb2.TransferAck()
 

@@ -14,6 +14,7 @@ staging copies.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -67,13 +68,15 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         if len(request.target.transfer_secret) != TRANSFER_SECRET_BYTES:
             raise ValueError(f"target.transfer_secret must be {TRANSFER_SECRET_BYTES} bytes (from the Reservation)")
         await self.open_stream(rid, "prefilled")
+        ship: asyncio.Future[None] | None = None
         try:
             out, timings = await self._first_token(rid, prompt, params, num_prior)
             first_logprob = None
             if out.logprobs:
                 tops = out.top_logprobs[0] if out.top_logprobs else None
                 first_logprob = convert.token_logprob(out.token_ids[0], out.logprobs[0], tops)
-            await self._ship(request, out.token_ids[0], first_logprob, timings)
+            ship = asyncio.ensure_future(self._ship(request, out.token_ids[0], first_logprob, timings))
+            await asyncio.shield(ship)
             response = prefill_pb2.PrefillResponse(first_token_id=out.token_ids[0], timings=timings)
             if first_logprob is not None:
                 response.first_logprob.CopyFrom(first_logprob)
@@ -82,7 +85,20 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             self.metrics.transfers.labels(role=self.role_name, outcome="failed").inc()
             raise
         finally:
+            self._release_after(ship, rid)
+
+    def _release_after(self, ship: asyncio.Future[None] | None, rid: str) -> None:
+        """Free the held blocks once, and never while a pack may still read them: a call
+        cancelled mid-transfer frees them when its (bounded) transfer task ends."""
+        def release(task: asyncio.Future[None] | None = None) -> None:
+            if task is not None and not task.cancelled():
+                task.exception()  # taken: the cancelled caller no longer waits for it
             self.close_stream(rid, lambda e: self._free(e, rid))
+
+        if ship is not None and not ship.done():
+            ship.add_done_callback(release)
+        else:
+            release()
 
     async def _first_token(
         self, rid: str, prompt: list[int], params: SamplingParams, num_prior: int,

@@ -93,7 +93,7 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0  # one channel operation (one message), and AwaitTransfer
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
     max_reservations_per_request: int = 8  # decode: reservations one request id may take (leases are not renewable without end)
-    kv_chunk_bytes: int = 2 << 20  # prefill: KV pages per message on the channel, in bytes (pipelined)
+    kv_chunk_bytes: int = 8 << 20  # prefill: KV pages per message on the channel, in bytes (pipelined)
     kv_channels_per_peer: int = 4  # prefill: lanes (channels) per decode worker, one transfer each at a time
     # Fault injection for the failure tests: the prefill worker sleeps this long between
     # announcing a transfer and posting its send (0: off).
@@ -299,7 +299,7 @@ def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--transfer-timeout-s", type=float, default=30.0, help="KV channel op timeout")
     add_flag(p, "--max-reservations-per-request", type=int, default=8,
              help="decode: KV reservations one request id may take on this worker")
-    add_flag(p, "--kv-chunk-bytes", type=int, default=2 << 20,
+    add_flag(p, "--kv-chunk-bytes", type=int, default=8 << 20,
              help="prefill: KV pages travel in messages of about this many bytes, packed while earlier ones are on the wire")
     add_flag(p, "--kv-channels-per-peer", type=int, default=4,
              help="prefill: KV channels to each decode worker; each carries one transfer at a time")

@@ -27,7 +27,10 @@ import torch
 
 from plumbing.transport.base import KVChannel
 
-DEFAULT_CHUNK_BYTES = 2 << 20  # a message of about 2 MiB: large enough for the wire's fast path
+# About 8 MiB a message: on a loaded 2-core machine each op costs ~1 ms of frames and thread
+# hand-offs, which smaller chunks pay more often than the overlap wins back (bench.kv_transfer
+# --chunk-mib 2 / 8 / 32).
+DEFAULT_CHUNK_BYTES = 8 << 20
 MAX_KEPT_PER_SHAPE = 8  # staging buffers kept per shape once returned
 
 

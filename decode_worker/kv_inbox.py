@@ -36,7 +36,7 @@ from plumbing import convert
 from plumbing.blocking import DaemonCalls
 from plumbing.metrics import WorkerMetrics
 from plumbing.rpc import ServiceError
-from plumbing.transport import KVChannel, TransferState
+from plumbing.transport import KVChannel, TransferState, TransportKind
 from plumbing.transport.pages import StagingPool, chunk_ranges
 from plumbing.transport.transfer import InvalidTransition
 from splitserve.v1 import kv_transfer_pb2
@@ -127,11 +127,12 @@ class KVInbox:
     def _post_receives(self, record: TransferRecord, channel: KVChannel, chunks: list[tuple[int, int]]) -> None:
         """Every message of the transfer posted now, in order, each into a staging buffer."""
         dtype = getattr(torch, self.layout.dtype)
+        device = torch.device(self._device) if channel.kind == TransportKind.NCCL else torch.device("cpu")
         record.num_chunks_left = len(chunks)
         record.recv_started = time.monotonic()
         record.transfer.advance(TransferState.TRANSFERRING)
         for start, num in chunks:
-            staging = self._staging.take(self.layout.packed_shape(num), dtype)
+            staging = self._staging.take(self.layout.packed_shape(num), dtype, device)
             future = channel.recv(staging, tag=record.tag)
             future.add_done_callback(lambda f, s=start, b=staging: self._on_chunk(record, s, b, f.exception()))
 

@@ -169,7 +169,8 @@ class ChannelPool:
             chunks = chunk_ranges(header.num_blocks, header.chunk_blocks)
             t_wire = time.monotonic()
             sent = await asyncio.to_thread(send_chunks, channel, chunks, tag, self._staging,
-                                           self.layout.packed_shape, getattr(torch, self.layout.dtype), pack)
+                                           self.layout.packed_shape, getattr(torch, self.layout.dtype), pack,
+                                           self._staging_device())
             await asyncio.shield(announce)
             await asyncio.wrap_future(sent)
             return time.monotonic() - t_wire
@@ -222,6 +223,10 @@ class ChannelPool:
         device = torch.device(self.device)
         return self._accepts.run(
             lambda: NcclChannel(unique_id, rank=0, device=device, timeout_s=self.timeout_s)), lambda: None
+
+    def _staging_device(self) -> torch.device:
+        """Where the channel's tensors live: the GPU for NCCL, else the CPU."""
+        return torch.device(self.device) if self.transport == "nccl" else torch.device("cpu")
 
     async def close(self) -> None:
         for peer in self._peers.values():

@@ -11,7 +11,8 @@ timing; the overlap comes from the channel's threads::
     ...                             (while chunk 2 packs)  (while chunk 2 is on the wire)
 
 so pack, wire and unpack overlap instead of running one after another. Staging buffers
-come from a ``StagingPool`` and go back only after their op *succeeded*: a failed op's
+come from a ``StagingPool`` (on the channel's device: CPU for Gloo, the GPU for NCCL) and go
+back only after their op *succeeded*: a failed op's
 buffer may still be in the transport's hands (``OpThread``: futures fail before the
 transport lets go), so it is dropped instead of reused.
 """
@@ -79,14 +80,14 @@ class StagingPool:
 
 def send_chunks(channel: KVChannel, chunks: list[tuple[int, int]], tag: int, pool: StagingPool,
                 shape_of: Callable[[int], tuple[int, ...]], dtype: torch.dtype,
-                pack: Callable[[int, int, torch.Tensor], None]) -> Future[None]:
+                pack: Callable[[int, int, torch.Tensor], None], device: torch.device | str = "cpu") -> Future[None]:
     """Blocking (packs on the caller's thread): for each chunk, ``pack(start, n, buffer)``
     then post its send; returns the last send's future (ops settle in order, and a failure
     fails every later one). Should a pack fail, the chunks left are sent as cancel markers
     so the peer's posted receives stay matched, and the error is raised."""
     last: Future[None] | None = None
     for i, (start, num) in enumerate(chunks):
-        buffer = pool.take(shape_of(num), dtype)
+        buffer = pool.take(shape_of(num), dtype, device)
         try:
             pack(start, num, buffer)
         except BaseException:
@@ -102,7 +103,7 @@ def send_chunks(channel: KVChannel, chunks: list[tuple[int, int]], tag: int, poo
 
 def recv_chunks(channel: KVChannel, chunks: list[tuple[int, int]], tag: int, pool: StagingPool,
                 shape_of: Callable[[int], tuple[int, ...]], dtype: torch.dtype,
-                unpack: Callable[[int, torch.Tensor], None]) -> Future[None]:
+                unpack: Callable[[int, torch.Tensor], None], device: torch.device | str = "cpu") -> Future[None]:
     """Post every message's receive now (in order); as each lands, ``unpack(first_page,
     buffer)`` runs on the receiver thread while later ones are on the wire. The future is done
     after the last unpack, or fails with the first error. (The decode worker's ``KVInbox``
@@ -130,7 +131,7 @@ def recv_chunks(channel: KVChannel, chunks: list[tuple[int, int]], tag: int, poo
                 done.set_result(None)
 
     for start, num in chunks:
-        buffer = pool.take(shape_of(num), dtype)
+        buffer = pool.take(shape_of(num), dtype, device)
         future = channel.recv(buffer, tag=tag)
         future.add_done_callback(lambda f, s=start, b=buffer: landed(s, b, f.exception()))
     return done

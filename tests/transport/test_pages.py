@@ -56,7 +56,9 @@ def test_chunks_arrive_in_order_and_buffers_are_reused(gloo_pair: Callable[..., 
         sender.send(torch.empty(0)).result(GUARD_S)
         flush.result(GUARD_S)
         allocated.append(pool.num_allocated)
-    assert 2 <= allocated[0] <= 4 and allocated[1] == allocated[0]
+    # Without reuse the two transfers would have made 8 buffers; with it, never more than the
+    # 4 chunks one transfer can have out at once (how many depends on the threads' timing).
+    assert 2 <= allocated[0] <= allocated[1] <= 4
     assert not sender.broken and not receiver.broken
 
 

@@ -25,6 +25,7 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.model_runner import SampledToken
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -184,16 +185,20 @@ class KVHandoff(_Base):
         request.append_output_token(first_token_id)
         self._record_logprobs(request, first)
         request.num_computed_tokens = len(token_ids)
-        num_cached = self.kv.reserved[request_id].num_cached_blocks * self.kv.block_size
-        request.num_cached_tokens = num_cached
-        self.stats.num_cached_prompt_tokens += num_cached
-        self.stats.num_received_prompt_tokens += len(token_ids) - num_cached
+        self._count_received(request)
         if self.tokenizer is not None and self.config.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids)
             detok.add([first_token_id])
             self._detok[request_id] = detok
         if not self.scheduler.add_prefilled(request):
             self._early_outputs.append(self._make_output(request, num_before=1))
+
+    def _count_received(self, request: Request) -> None:
+        """The reservation's hits count as cached prompt tokens, the rest as received."""
+        num_cached = self.kv.reserved[request.request_id].num_cached_blocks * self.kv.block_size
+        request.num_cached_tokens = num_cached
+        self.stats.num_cached_prompt_tokens += num_cached
+        self.stats.num_received_prompt_tokens += request.num_prompt_tokens - num_cached
 
     @staticmethod
     def _first_token(

@@ -33,6 +33,7 @@ from gateway.routing import LEG_LOCAL, LEG_PREFILL
 from splitserve.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
 
 # gRPC details that mean the peer process is gone (as opposed to an application error).
+PREFILL_ANSWER_GRACE_S = 2.0  # how long a finished stream waits for the prefill's answer (its timings)
 _CONNECTION_LOST = ("Socket closed", "Connection reset", "failed to connect", "Connection refused",
                     "connections to all backends failing", "recvmsg", "Broken pipe", "GOAWAY")
 
@@ -154,6 +155,20 @@ class Legs:
         leg.settle(result)
         return result
 
+    async def await_prefill(self) -> None:
+        """Before the final chunk: the prefill's answer (its timings, the routing observation)
+        when it has not come yet, waiting at most ``PREFILL_ANSWER_GRACE_S``. The decode
+        stream can finish first, since the prefill answers once its last message is sent; a
+        prefill that fails now changes nothing, every token being out."""
+        leg = self.prefill
+        if leg is None or leg.settled:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(leg.task), PREFILL_ANSWER_GRACE_S)
+            self._settle(leg)
+        except (asyncio.TimeoutError, LegFailed, grpc.aio.AioRpcError):
+            pass
+
     def close(self) -> None:
         if self._read is not None:
             _discard(self._read)
@@ -237,11 +252,13 @@ async def _decode_stream(
         elif kind == "finished":
             if on_finished is not None:
                 on_finished(msg.finished.timings)
+            await legs.await_prefill()
             yield req.final(msg.finished.finish_reason, msg.finished.timings)
             return
         else:
             continue
         if req.text.stopped:
+            await legs.await_prefill()
             yield req.final(common_pb2.FINISH_REASON_STOP, None)
             return
 

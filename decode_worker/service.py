@@ -138,7 +138,10 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
                          seconds=round(time.monotonic() - start, 6))
                 timings = common_pb2.PhaseTimings(
                     num_draft_tokens=item.num_draft_tokens, num_accepted_tokens=item.num_accepted_tokens,
-                    num_cached_prompt_tokens=item.num_cached_tokens, prefill_us=prefill_us if local else 0,
+                    # A remote prefill's hits here are the reservation's (pages not shipped), not
+                    # prompt tokens this request was spared computing: GetStats counts them.
+                    num_cached_prompt_tokens=item.num_cached_tokens if local else 0,
+                    prefill_us=prefill_us if local else 0,
                     transfer_us=self.inbox.receive_us.pop(item.request_id, 0),
                 )
                 yield decode_pb2.DecodeResponse(finished=decode_pb2.DecodeFinished(

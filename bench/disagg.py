@@ -14,8 +14,10 @@ random Llama in float32, prompts of 16–256 random tokens, 128 greedy tokens, E
   decode worker), one thread.
 * raw Gloo: ``bench.kv_transfer``'s bare ``ProcessGroupGloo`` send of the median per-request
   KV payload, in two fresh processes, against the per-request transfer the deployment timed
-  (``PhaseTimings.transfer_us``: announce → pages sent → decode side unpacked and admitted →
-  AwaitTransfer DONE, i.e. the whole hand-off with its control plane).
+  (``PhaseTimings.transfer_us``: the prefill's announce → its last message sent, or, when
+  longer, the decode worker's announce → its last page written; the whole hand-off with its
+  control plane). The one-at-a-time phase sends the longest prompts reversed, so the decode
+  worker's prefix cache (which keeps the burst's prompts) does not shrink their transfers.
 
 Greedy outputs of every deployment are compared with the in-process Engine's.
 """
@@ -67,7 +69,9 @@ def deployment(name: str, pool: DeploymentPool, spec: DeploymentSpec, prompts: l
         address = pool.address(spec)
         with load_window() as load:
             seconds, burst = send_all(address, [RequestSpec(tuple(p), output_len) for p in prompts])
-        longest = sorted(prompts, key=len)[-NUM_SEQUENTIAL:]
+        # Reversed: the same lengths, but prompts the decode worker's prefix cache does not
+        # hold from the burst (it would otherwise receive only their last block).
+        longest = [p[::-1] for p in sorted(prompts, key=len)[-NUM_SEQUENTIAL:]]
         _, alone = send_all(address, [RequestSpec(tuple(p), 2) for p in longest], concurrency=1)
     finally:
         pool.release(spec)

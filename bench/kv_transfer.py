@@ -12,9 +12,14 @@ rank 1 receives and times. For each payload size the methods take turns, one tri
 * ``raw_pre``: the same, but rank 1 posts all of a trial's receives before waiting on any, so
   no message reaches it before its receive is posted (Gloo's fast path; an upper bound).
 * ``channel``: ``GlooChannel.send`` / ``recv`` of the same bytes (frame header, threads, futures).
-* ``full:<layout>``: the whole hand-off: rank 0 runs ``pack_kv`` on N random blocks of its
-  cache and sends (at most two packed buffers in flight); rank 1 receives into one of two
-  staging buffers and runs ``unpack_kv`` into N other random blocks. Layouts: ``model`` is the
+* ``whole:<layout>``: the hand-off as it was before issue #13: rank 0 runs ``pack_kv`` on N
+  random blocks of its cache and sends one message (at most two packed buffers in flight);
+  rank 1 receives into one of two staging buffers and runs ``unpack_kv`` into N other random
+  blocks, one after the other.
+* ``full:<layout>``: the hand-off as the workers run it now (``plumbing.transport.pages``):
+  each transfer in messages of ``--chunk-mib``, every receive posted up front, each chunk
+  packed into a reused staging buffer while the previous ones are on the wire and unpacked
+  as it lands (at most two transfers in flight). Layouts: ``model`` is the
   bundled model's (4 layers, 2 KV heads, head_dim 32, block 16, float32); ``llama1b`` is
   Llama-3.2-1B's (16 layers, 8 KV heads, head_dim 64, block 16, bfloat16).
 
@@ -43,6 +48,7 @@ import torch.distributed as dist
 from engine.kv_layout import KVLayout
 from plumbing.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
 from kernels.ops import pack_kv, unpack_kv
+from plumbing.transport.pages import DEFAULT_CHUNK_BYTES, StagingPool, chunk_blocks_for, chunk_ranges, recv_chunks, send_chunks
 
 MIB = 1 << 20
 HOST = "127.0.0.1"
@@ -53,7 +59,9 @@ LAYOUTS = {
     "llama1b": KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16,
                         dtype="bfloat16"),
 }
-METHODS = ("raw", "raw_pre", "channel", *(f"full:{name}" for name in LAYOUTS))
+CHUNK_BYTES = [DEFAULT_CHUNK_BYTES]  # the pipelined path's message size (--chunk-mib)
+METHODS = ("raw", "raw_pre", "channel", *(f"whole:{name}" for name in LAYOUTS),
+           *(f"full:{name}" for name in LAYOUTS))
 
 
 # -- setup (both ranks) ----------------------------------------------------------------------
@@ -102,6 +110,9 @@ class FullPath:
         self.cache = make_cache(layout, self.num_blocks, seed if rank == 0 else seed + 2)
         self.staging = [torch.empty(layout.packed_shape(self.num_pages), dtype=getattr(torch, layout.dtype))
                         for _ in range(2 if rank == 1 else 0)]
+        self.dtype = getattr(torch, layout.dtype)
+        self.chunks = chunk_ranges(self.num_pages, chunk_blocks_for(layout.bytes_per_block, CHUNK_BYTES[0]))
+        self.pool = StagingPool()
 
     def check(self) -> bool:
         """Rank 1: do the unpacked pages equal the sender's (rebuilt from its seed)?"""
@@ -121,13 +132,23 @@ def send_trial(method: str, reps: int, raw: dist.ProcessGroupGloo, channel: Gloo
     elif method == "channel":
         for future in [channel.send(payload) for _ in range(reps)]:
             future.result()
-    else:
+    elif method.startswith("whole:"):
         path = full[method.split(":")[1]]
         in_flight = []
         for _ in range(reps):
             if len(in_flight) == 2:
                 in_flight.pop(0).result()
             in_flight.append(channel.send(pack_kv(path.cache, path.src_ids)))
+        for future in in_flight:
+            future.result()
+    else:
+        path = full[method.split(":")[1]]
+        in_flight = []
+        for _ in range(reps):
+            if len(in_flight) == 2:
+                in_flight.pop(0).result()
+            in_flight.append(send_chunks(channel, path.chunks, 0, path.pool, path.layout.packed_shape, path.dtype,
+                                         lambda start, n, out: pack_kv(path.cache, path.src_ids[start:start + n], out)))
         for future in in_flight:
             future.result()
 
@@ -145,7 +166,7 @@ def recv_trial(method: str, reps: int, raw: dist.ProcessGroupGloo, channel: Gloo
     elif method == "channel":
         for future in [channel.recv(payload) for _ in range(reps)]:
             future.result()
-    else:
+    elif method.startswith("whole:"):
         path = full[method.split(":")[1]]
         pending = [channel.recv(path.staging[i]) for i in range(min(2, reps))]
         for i in range(reps):
@@ -153,6 +174,18 @@ def recv_trial(method: str, reps: int, raw: dist.ProcessGroupGloo, channel: Gloo
             unpack_kv(path.cache, path.staging[i % 2], path.dst_ids)
             if i + 2 < reps:
                 pending.append(channel.recv(path.staging[i % 2]))
+    else:
+        path = full[method.split(":")[1]]
+
+        def post() -> object:
+            return recv_chunks(channel, path.chunks, 0, path.pool, path.layout.packed_shape, path.dtype,
+                               lambda start, buf: unpack_kv(path.cache, buf, path.dst_ids[start:start + buf.shape[2]]))
+
+        pending = [post() for _ in range(min(2, reps))]
+        for i in range(reps):
+            pending[i].result()
+            if i + 2 < reps:
+                pending.append(post())
     return time.perf_counter() - start
 
 
@@ -172,6 +205,7 @@ def local_copy_rates(path: FullPath, repeats: int = 3) -> dict[str, float]:
 
 def rank_main(rank: int, peer: Connection, report: Connection | None, config: dict) -> None:
     torch.set_num_threads(1)
+    CHUNK_BYTES[0] = int(config["chunk_mib"] * MIB)
     raw, channel, _store = connect(rank, peer)
     results: dict[str, dict] = {}
     for size_mib in config["sizes_mib"]:
@@ -204,7 +238,7 @@ def summarize(size: int, reps: int, seconds: dict[str, list[float]],
               full: dict[str, FullPath]) -> dict:
     out: dict = {"reps_per_trial": reps, "methods": {}}
     for method, times in seconds.items():
-        nbytes = full[method.split(":")[1]].nbytes if method.startswith("full:") else size
+        nbytes = full[method.split(":")[1]].nbytes if ":" in method else size
         rates = [nbytes * reps / s / 1e9 for s in times]
         out["methods"][method] = {"message_bytes": nbytes, "seconds": times,
                                   "gbps": rates, "median_gbps": statistics.median(rates)}
@@ -223,7 +257,7 @@ def markdown(results: dict) -> str:
     head = ["payload", "raw Gloo GB/s", "raw, recvs pre-posted GB/s", "GlooChannel GB/s",
             "channel/raw"]
     for name in names:
-        head += [f"full path {name} GB/s", "full/raw"]
+        head += [f"one message {name} GB/s", "/raw", f"pipelined {name} GB/s", "/raw"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for size, row in results.items():
         m = {k: v["median_gbps"] for k, v in row["methods"].items()}
@@ -231,7 +265,8 @@ def markdown(results: dict) -> str:
         cells = [f"{size} MiB", f"{m['raw']:.2f}", f"{m['raw_pre']:.2f}", f"{m['channel']:.2f}",
                  f"{m['channel'] / best:.2f}"]
         for name in names:
-            cells += [f"{m[f'full:{name}']:.2f}", f"{m[f'full:{name}'] / best:.2f}"]
+            for kind in ("whole", "full"):
+                cells += [f"{m[f'{kind}:{name}']:.2f}", f"{m[f'{kind}:{name}'] / best:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| payload | layout | pages | pack_kv GB/s | unpack_kv GB/s | pages equal |",
               "|---|---|---|---|---|---|"]
@@ -275,10 +310,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 8, 64])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--min-trial-mib", type=float, default=64)
+    parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_BYTES / MIB,
+                        help="pipelined path: bytes per message (the workers' --kv-chunk-bytes)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv_transfer.json"))
     args = parser.parse_args(argv)
     config = {"sizes_mib": args.sizes_mib, "trials": args.trials,
-              "min_trial_mib": args.min_trial_mib}
+              "min_trial_mib": args.min_trial_mib, "chunk_mib": args.chunk_mib}
     full = report.header("kv_transfer", 1)  # one torch thread per rank
     start = time.perf_counter()
     with load_window() as load:

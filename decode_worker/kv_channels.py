@@ -10,10 +10,11 @@ the NCCL bootstrap root inside an ncclUniqueId), so the handshake is guarded:
   handshakes is refused with RESOURCE_EXHAUSTED instead of queueing behind each other or
   occupying the threads anything else needs, and never holds up the process's exit.
 
-Joined channels are keyed by a random channel id and remember the prefill incarnation that
-opened them. A new channel from the same prefill incarnation replaces its older one (the
-prefill side reopens only after dropping its channel); channels of dead incarnations are
-evicted least recently used first beyond ``MAX_CHANNELS``.
+Joined channels are keyed by a random channel id and remember the prefill incarnation and
+lane that opened them (a pair has several lanes, each carrying one transfer at a time). A new
+channel from the same prefill incarnation and lane replaces its older one (the prefill side
+reopens a lane only after dropping its channel); channels of dead incarnations are evicted
+least recently used first beyond ``MAX_CHANNELS``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ MAX_CHANNELS = 64
 class JoinedChannel:
     channel: KVChannel
     prefill_incarnation: int
+    lane: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -103,15 +105,15 @@ class ChannelTable:
     def __init__(self) -> None:
         self._joined: OrderedDict[int, JoinedChannel] = OrderedDict()
 
-    def add(self, channel: KVChannel, prefill_incarnation: int) -> int:
+    def add(self, channel: KVChannel, prefill_incarnation: int, lane: int = 0) -> int:
         """Keep ``channel``; return its new random id. Closes the channel it replaces."""
         for cid, old in list(self._joined.items()):
-            if old.prefill_incarnation == prefill_incarnation or old.channel.broken:
+            if (old.prefill_incarnation, old.lane) == (prefill_incarnation, lane) or old.channel.broken:
                 self._close(cid, "replaced" if not old.channel.broken else "broken")
         while len(self._joined) >= MAX_CHANNELS:
             self._close(next(iter(self._joined)), "least recently used")
         channel_id = mint_id()
-        self._joined[channel_id] = JoinedChannel(channel, prefill_incarnation)
+        self._joined[channel_id] = JoinedChannel(channel, prefill_incarnation, lane)
         return channel_id
 
     def get(self, channel_id: int, prefill_incarnation: int) -> KVChannel | None:

@@ -4,13 +4,17 @@ order, write arriving pages into their reservation, report transfers.
 The prefill worker is rank 0 of each channel; this worker joins as rank 1 (``open_channel``,
 guarded as ``kv_channels.py`` says). ``announce`` checks that the header addresses this
 incarnation, on a channel the sender's incarnation opened, for a reservation whose secret it
-presents, then posts the receive, framed with the transfer's tag, for the next message on
-that channel before it replies; only a successful reply makes the prefill worker post its
-send, so both sides stay in order, and a send made for any other transfer fails the receive
-(and breaks the channel) instead of filling this reservation.
-The transport only touches the staging buffer; the receiver thread then writes the pages
-into the reservation under the record's lock (which freeing also takes) and queues the
-admission on the engine thread.
+presents, then posts the receives, framed with the transfer's tag, for the transfer's next
+messages on that channel (``header.chunk_blocks`` pages each, ``plumbing.transport.pages``)
+before it replies, and hands the first token to the request's Decode stream; only a
+successful reply makes the prefill worker post its sends, so both sides stay in order, and a
+send made for any other transfer fails the receive (and breaks the channel) instead of
+filling this reservation. Only the reservation's fresh blocks receive pages: its leading
+prefix-cache hits (``num_cached_blocks``) are already here.
+The transport only touches staging buffers (reused, ``StagingPool``); the receiver thread
+writes each message's pages into the reservation as it lands, under the record's lock
+(which freeing also takes), while later messages are still on the wire, and after the last
+queues the admission on the engine thread.
 """
 
 from __future__ import annotations
@@ -32,13 +36,15 @@ from plumbing import convert
 from plumbing.blocking import DaemonCalls
 from plumbing.metrics import WorkerMetrics
 from plumbing.rpc import ServiceError
-from plumbing.transport import KVChannel, TransferState
+from plumbing.transport import KVChannel, TransferState, TransportKind
+from plumbing.transport.pages import StagingPool, chunk_ranges
 from plumbing.transport.transfer import InvalidTransition
 from splitserve.v1 import kv_transfer_pb2
 
 log = structlog.get_logger()
 MAX_JOINS_RUNNING = 2  # channel joins at once (each a daemon thread, bounded by the capped timeout)
 MAX_JOINS_QUEUED = 4  # more waiting than this: RESOURCE_EXHAUSTED at once
+MAX_MESSAGES = 1024  # messages one transfer may take (TransferHeader.chunk_blocks)
 # One answer for an unknown transfer id and a wrong secret: nothing tells which ids exist.
 _NO_SUCH_TRANSFER = "transfer_id and transfer_secret name no live transfer here"
 
@@ -56,7 +62,7 @@ class KVInbox:
 
     def __init__(self, engine: Engine, table: ReservationTable, device: str, metrics: WorkerMetrics,
                  on_engine_thread: Callable[[Callable[[Engine], None]], object], incarnation: int,
-                 max_timeout_s: float) -> None:
+                 max_timeout_s: float, on_announced: Callable[[TransferRecord], None] = lambda record: None) -> None:
         self._engine = engine  # unpack_kv only (thread-safe under the record lock)
         self._table = table
         self._device = device
@@ -64,6 +70,9 @@ class KVInbox:
         self._on_engine_thread = on_engine_thread
         self._incarnation = incarnation
         self._max_timeout_s = max_timeout_s
+        self._on_announced = on_announced  # the first token goes to the Decode stream
+        self._staging = StagingPool()
+        self.receive_us: dict[str, int] = {}  # request id -> announce to last page written (the stream pops it)
         self.layout: KVLayout = engine.kv_layout
         self.channels = ChannelTable()
         self._joins: DaemonCalls[KVChannel] = DaemonCalls(
@@ -80,7 +89,7 @@ class KVInbox:
             raise ValueError("prefill_incarnation must be set (the prefill worker's incarnation)")
         timeout_s = min(max(request.timeout_ms, 1) / 1000.0, self._max_timeout_s)
         channel = await self._joins.run(lambda: kv_channels.join(request, caller, self._device, timeout_s))
-        channel_id = self.channels.add(channel, request.prefill_incarnation)
+        channel_id = self.channels.add(channel, request.prefill_incarnation, request.lane)
         log.info("kv.channel_open", channel_id=channel_id, transport=channel.kind.value,
                  prefill_worker_id=request.prefill_worker_id, prefill_incarnation=request.prefill_incarnation)
         return kv_transfer_pb2.KVChannelAccept(channel_id=channel_id, decode_incarnation=self._incarnation)
@@ -97,9 +106,13 @@ class KVInbox:
         record = self._table.lookup(header.transfer_id, header.transfer_secret)
         if record is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, _NO_SUCH_TRANSFER)
-        if (str(header.request_id) != record.request_id or header.num_blocks != len(record.block_ids)
-                or header.num_prompt_tokens != len(record.prompt_token_ids)):
-            raise ValueError("request_id, num_blocks and num_prompt_tokens must be the reservation's")
+        if (str(header.request_id) != record.request_id or header.num_prompt_tokens != len(record.prompt_token_ids)
+                or header.num_cached_blocks != record.num_cached_blocks or header.num_blocks != record.num_fresh_blocks):
+            raise ValueError("request_id, num_prompt_tokens, num_cached_blocks and num_blocks must be the "
+                             "reservation's (num_blocks: the blocks after its num_cached_blocks)")
+        chunks = chunk_ranges(header.num_blocks, header.chunk_blocks)
+        if len(chunks) > MAX_MESSAGES:
+            raise ValueError(f"chunk_blocks: a transfer may be at most {MAX_MESSAGES} messages")
         try:
             record.transfer.advance(TransferState.BOOTSTRAPPING)
         except InvalidTransition:
@@ -107,30 +120,51 @@ class KVInbox:
                                "transfer_id was announced already or has ended") from None
         record.header = header
         record.channel_id = header.channel_id
-        staging = torch.empty(self.layout.packed_shape(header.num_blocks), dtype=getattr(torch, self.layout.dtype))
-        record.recv_started = time.monotonic()
-        future = channel.recv(staging, tag=record.tag)
-        record.transfer.advance(TransferState.TRANSFERRING)
-        future.add_done_callback(lambda f: self._on_pages(record, staging, f.exception()))
+        self._post_receives(record, channel, chunks)
+        self._on_announced(record)
         return kv_transfer_pb2.TransferAck()
 
-    def _on_pages(self, record: TransferRecord, staging: torch.Tensor, error: BaseException | None) -> None:
-        """Receiver thread: write the pages into the reservation (unless it already ended),
-        mark the transfer DONE, and queue the admission on the engine thread."""
+    def _post_receives(self, record: TransferRecord, channel: KVChannel, chunks: list[tuple[int, int]]) -> None:
+        """Every message of the transfer posted now, in order, each into a staging buffer."""
+        dtype = getattr(torch, self.layout.dtype)
+        device = torch.device(self._device) if channel.kind == TransportKind.NCCL else torch.device("cpu")
+        record.num_chunks_left = len(chunks)
+        record.recv_started = time.monotonic()
+        record.transfer.advance(TransferState.TRANSFERRING)
+        for start, num in chunks:
+            staging = self._staging.take(self.layout.packed_shape(num), dtype, device)
+            future = channel.recv(staging, tag=record.tag)
+            future.add_done_callback(lambda f, s=start, b=staging: self._on_chunk(record, s, b, f.exception()))
+
+    def _on_chunk(self, record: TransferRecord, first_page: int, staging: torch.Tensor,
+                  error: BaseException | None) -> None:
+        """Receiver thread: write one message's pages into the reservation (unless it already
+        ended or failed); after the last, mark the transfer DONE and queue the admission on
+        the engine thread. The first failure fails the transfer."""
         with record.lock:
-            if record.transfer.finished:
-                log.info("kv.late_pages_dropped", transfer_id=record.transfer.transfer_id)
+            if record.transfer.finished or record.recv_failed:
+                if error is None:
+                    self._staging.give(staging)
+                    log.debug("kv.late_pages_dropped", transfer_id=record.transfer.transfer_id)
                 return
             if error is None:
                 try:
-                    self._engine.unpack_kv(record.request_id, staging)
+                    self._engine.unpack_kv(record.request_id, staging, first_page=first_page)
                 except Exception as exc:  # noqa: BLE001 - reported like a failed receive
                     error = exc
-            if error is None:
+                else:
+                    self._staging.give(staging)
+            if error is not None:
+                record.recv_failed = True
+            else:
+                record.num_chunks_left -= 1
+                if record.num_chunks_left:
+                    return
                 record.transfer.advance(TransferState.DONE)
         if error is None:
             seconds = time.monotonic() - record.recv_started
-            self._metrics.transfer_bytes.inc(staging.numel() * staging.element_size())
+            self.receive_us[record.request_id] = int(seconds * 1e6)
+            self._metrics.transfer_bytes.inc(record.num_fresh_blocks * self.layout.bytes_per_block)
             self._metrics.transfer_seconds.observe(seconds)
             self._metrics.transfers.labels(role="decode", outcome="done").inc()
             self._table.resolve(record)

@@ -13,7 +13,9 @@ and ``done``, which the receiver thread and the event loop use as documented::
 A grant mints the transfer id and its secret (``plumbing.identity``); ``lookup`` finds a
 record only for the right (id, secret) pair, and the pages' frames must carry the record's
 ``tag``. A request id gets at most ``max_per_request`` reservations here (its lease cannot
-be renewed without end by asking again); a reservation is exactly the prompt's blocks.
+be renewed without end by asking again); a reservation is exactly the prompt's blocks, the
+leading ones possibly this worker's own prefix-cache hits (``num_cached_blocks``), whose
+pages are not shipped.
 """
 
 from __future__ import annotations
@@ -55,9 +57,17 @@ class TransferRecord:
     channel_id: int = 0  # the channel the transfer was announced on
     recv_started: float = 0.0
     num_prior_draws: int = 0  # a migrated request: tokens of the prompt generated elsewhere
+    num_cached_blocks: int = 0  # leading blocks that are this worker's prefix-cache hits (no pages)
+    num_chunks_left: int = 0  # messages of the announced transfer not yet written (receiver thread)
+    recv_failed: bool = False  # a message failed; the first failure is the one reported
     # Held while pages are written into block_ids (receiver thread) and while the blocks are
     # freed (engine thread): a lease can never free blocks that are being written.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        """The blocks whose pages travel (after the prefix-cache hits)."""
+        return len(self.block_ids) - self.num_cached_blocks
 
     @property
     def tag(self) -> int:
@@ -119,7 +129,8 @@ class ReservationTable:
         while self._waiters:
             waiter = self._waiters[0]
             try:
-                block_ids = engine.reserve_kv(waiter.request_id, len(waiter.prompt_token_ids))
+                block_ids = engine.reserve_kv(waiter.request_id, len(waiter.prompt_token_ids),
+                                              waiter.prompt_token_ids)
             except ValueError as exc:  # could never fit (or the id is in use): refuse this one
                 self._waiters.popleft()
                 self._settle(waiter.granted, exc)
@@ -127,7 +138,9 @@ class ReservationTable:
             if block_ids is None:
                 return  # first come, first served: later waiters do not jump the queue
             self._waiters.popleft()
-            self._settle(waiter.granted, self._grant(waiter, list(block_ids)))
+            record = self._grant(waiter, list(block_ids))
+            record.num_cached_blocks = engine.reserved_num_cached_blocks(waiter.request_id)
+            self._settle(waiter.granted, record)
 
     def _grant(self, waiter: _Waiter, block_ids: list[int]) -> TransferRecord:
         record = TransferRecord(

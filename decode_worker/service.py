@@ -4,10 +4,15 @@ Remote prefill, as seen from here::
 
     gateway ──Decode──▶ reserve blocks (wait ≤ reservation_wait_ms) ──▶ stream: Reservation
     prefill ──OpenKVChannel──▶ join the pair's channel (once per pair; layout checked)
-    prefill ──AnnounceTransfer──▶ post recv into a staging buffer (announcement order)
-              recv done ──▶ pages into the reservation; engine thread: admit ──▶ DONE
-    prefill ──AwaitTransfer──▶ returns DONE / FAILED (the prefill worker then frees its blocks)
-    engine steps ──▶ stream: TokenChunk … DecodeFinished
+    prefill ──AnnounceTransfer──▶ post a recv per message into staging buffers (announcement order)
+                               ──▶ stream: FirstToken (before the pages)
+              each message lands ──▶ its pages into the reservation; after the last: DONE,
+                                     engine thread: admit
+    engine steps ──▶ stream: TokenChunk … DecodeFinished   (a failed transfer: the stream's error)
+
+The reservation takes this worker's own prefix-cache hits first (``Reservation.num_cached_blocks``);
+only the blocks after them receive pages. ``AwaitTransfer`` still answers for a transfer, but the
+prefill worker no longer waits on it: the gateway learns a transfer's fate from this stream.
 
 Reservations (``reservations.py``) live on the engine thread, which is also where leases
 expire and received pages are admitted, so expiry and admission cannot race. The KV
@@ -50,10 +55,23 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
             config.max_reservations_per_request,
         )
         self.inbox = KVInbox(engine, self.reservations, config.engine.device, self.metrics,
-                             self.engine_thread.call, self.incarnation, config.transfer_timeout_s)
+                             self.engine_thread.call, self.incarnation, config.transfer_timeout_s,
+                             on_announced=self._first_token)
 
     def blocks_in_transfer(self) -> int:
         return self.reservations.num_blocks
+
+    def _first_token(self, record: TransferRecord) -> None:
+        """Event loop, on an accepted announce: the first token to the request's stream, ahead
+        of the pages (its tokens from the engine can only follow the admission)."""
+        header = record.header
+        assert header is not None
+        first = decode_pb2.FirstToken(token_id=header.first_token_id)
+        if header.HasField("first_logprob"):
+            first.logprob.CopyFrom(header.first_logprob)
+        queue = self.queues.get(record.request_id)
+        if queue is not None:
+            queue.put_nowait(first)
 
     def on_tick(self, engine: Engine) -> None:
         """Engine thread, every iteration: expire leases, then serve waiting reservations."""
@@ -85,13 +103,15 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
                 record = await self._reserve(rid, prompt, params, request)
                 yield decode_pb2.DecodeResponse(reserved=decode_pb2.Reservation(
                     transfer_id=record.transfer.transfer_id, num_blocks=len(record.block_ids),
-                    transfer_secret=record.secret, incarnation=self.incarnation))
+                    transfer_secret=record.secret, incarnation=self.incarnation,
+                    num_cached_blocks=record.num_cached_blocks))
             async for response in self._stream(request, queue, start):
                 finished = response.WhichOneof("event") == "finished"
                 yield response
         finally:
             if not finished:
                 log.info("decode.stopped_early", request_id=rid)
+            self.inbox.receive_us.pop(rid, None)
             self.close_stream(rid, None if finished else
                               lambda e: self.reservations.forget(e, rid, "decode stream ended"))
 
@@ -104,6 +124,9 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
+            if isinstance(item, decode_pb2.FirstToken):
+                yield decode_pb2.DecodeResponse(first_token=item)
+                continue
             chunk = self._chunk(item)
             if chunk is not None:
                 yield decode_pb2.DecodeResponse(tokens=chunk)
@@ -115,7 +138,11 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
                          seconds=round(time.monotonic() - start, 6))
                 timings = common_pb2.PhaseTimings(
                     num_draft_tokens=item.num_draft_tokens, num_accepted_tokens=item.num_accepted_tokens,
-                    num_cached_prompt_tokens=item.num_cached_tokens, prefill_us=prefill_us if local else 0,
+                    # A remote prefill's hits here are the reservation's (pages not shipped), not
+                    # prompt tokens this request was spared computing: GetStats counts them.
+                    num_cached_prompt_tokens=item.num_cached_tokens if local else 0,
+                    prefill_us=prefill_us if local else 0,
+                    transfer_us=self.inbox.receive_us.pop(item.request_id, 0),
                 )
                 yield decode_pb2.DecodeResponse(finished=decode_pb2.DecodeFinished(
                     finish_reason=convert.FINISH_REASONS[item.finish_reason], timings=timings))

@@ -330,4 +330,6 @@ class Engine(KVHandoff):
             num_blocks_total=self.kv.num_blocks, num_blocks_free=self.kv.num_free_blocks,
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_queued_prefill_tokens=queued, spec=spec,
+            num_cached_prompt_tokens=self.stats.num_cached_prompt_tokens,
+            num_received_prompt_tokens=self.stats.num_received_prompt_tokens,
         )

@@ -18,6 +18,11 @@ Block tables outside the scheduler (KV transfer between a prefill and a decode w
                                           |
                                           +--cancel_reservation--> free
 
+A reservation may start with prefix-cache hits (``reserve(..., prompt_token_ids)``)::
+
+    reservation.blocks:  [ hit ][ hit ] | [ fresh ][ fresh ][ fresh (partial) ]
+                         num_cached_blocks   the pages that travel (private, written once)
+
 Each table has exactly one holder: ``req_to_blocks`` (requests in the scheduler),
 ``held`` (finished prefill requests whose prompt pages await transfer) or ``reserved``
 (blocks taken for an incoming sequence whose pages are being received). Held and reserved
@@ -31,7 +36,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_hash import hash_block_tokens, max_cached_blocks
+from engine.block_hash import hash_block_tokens, max_cached_blocks, prompt_block_hashes
 from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
 
@@ -42,6 +47,12 @@ class Reservation:
 
     blocks: list[KVBlock]
     num_prompt_tokens: int
+    num_cached_blocks: int = 0  # leading blocks that are prefix-cache hits (shared, never written)
+
+    @property
+    def fresh_blocks(self) -> list[KVBlock]:
+        """The blocks the incoming pages are written into (private, unpublished)."""
+        return self.blocks[self.num_cached_blocks:]
 
 
 class KVCacheManager:
@@ -192,15 +203,27 @@ class KVCacheManager:
         return True
 
     # -- reservations (decode worker) -------------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
-        """Take fresh blocks for ``num_prompt_tokens`` tokens from the free queue (which may
-        evict unreferenced cached blocks, never a block a table holds). None, and no change,
-        if there are not enough now. The caller checks that ``request_id`` is new."""
-        num_needed = self.blocks_needed(num_prompt_tokens)
-        if num_needed > self.pool.num_free_blocks:
+    def reserve(self, request_id: str, num_prompt_tokens: int,
+                prompt_token_ids: Sequence[int] | None = None) -> list[int] | None:
+        """Take blocks for ``num_prompt_tokens`` tokens: with ``prompt_token_ids``, the longest
+        prefix-cache hit first (``prompt_block_hashes``: at least the last block is always
+        fresh), then fresh blocks from the free queue (which may evict unreferenced cached
+        ones, never a block a table holds). None, and no change, if there are not enough now.
+        The caller checks that ``request_id`` is new."""
+        hits: list[KVBlock] = []
+        if prompt_token_ids is not None and self.pool.enable_prefix_caching:
+            for block_hash in prompt_block_hashes(prompt_token_ids, self.block_size):
+                block = self.pool.lookup(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+        num_needed = self.blocks_needed(num_prompt_tokens) - len(hits)
+        num_revived = sum(1 for block in hits if block.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_revived:
             return None
-        blocks = self.pool.allocate(num_needed)
-        self.reserved[request_id] = Reservation(blocks, num_prompt_tokens)
+        self.pool.touch(hits)
+        blocks = hits + self.pool.allocate(num_needed)
+        self.reserved[request_id] = Reservation(blocks, num_prompt_tokens, len(hits))
         return [block.block_id for block in blocks]
 
     def reserved_num_tokens(self, request_id: str) -> int | None:
@@ -208,7 +231,8 @@ class KVCacheManager:
         return reservation.num_prompt_tokens if reservation is not None else None
 
     def reserved_block_ids(self) -> set[int]:
-        return {block.block_id for r in self.reserved.values() for block in r.blocks}
+        """The fresh (private) blocks of every reservation."""
+        return {block.block_id for r in self.reserved.values() for block in r.fresh_blocks}
 
     def cancel_reservation(self, request_id: str) -> bool:
         """Free a reservation's blocks. False if there is no reservation under the id."""
@@ -224,7 +248,7 @@ class KVCacheManager:
         ``cache_computed_blocks`` then publishes the full ones."""
         reservation = self.reserved.pop(request.request_id)
         self.req_to_blocks[request.request_id] = reservation.blocks
-        self._num_published[request.request_id] = 0
+        self._num_published[request.request_id] = reservation.num_cached_blocks
 
     def holds_transfer(self, request_id: str) -> bool:
         """True if blocks are held or reserved under ``request_id``."""
@@ -232,7 +256,8 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Every block's ref_cnt equals the number of tables holding it (running, held,
-        reserved); the rest are free. Reserved blocks are private and unpublished."""
+        reserved); the rest are free. A reservation's fresh blocks are private and
+        unpublished; its leading hits are published."""
         holders: Counter[int] = Counter()
         for blocks in [*self.req_to_blocks.values(), *self.held.values()]:
             holders.update(block.block_id for block in blocks)
@@ -244,6 +269,8 @@ class KVCacheManager:
             raise RuntimeError("a request id owns more than one kind of block table")
         for reservation in self.reserved.values():
             holders.update(block.block_id for block in reservation.blocks)
-            if any(block.block_hash is not None for block in reservation.blocks):
-                raise RuntimeError("a reserved block is published in the prefix cache")
+            if any(block.block_hash is not None for block in reservation.fresh_blocks):
+                raise RuntimeError("a fresh reserved block is published in the prefix cache")
+            if any(block.block_hash is None for block in reservation.blocks[:reservation.num_cached_blocks]):
+                raise RuntimeError("a reserved prefix hit is not published")
         self.pool.check_integrity(dict(holders))

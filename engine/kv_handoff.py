@@ -2,10 +2,11 @@
 tensors; nothing here touches a network)::
 
     prefill worker                                 decode worker
-    add_request(p, params.for_prefill(),           reserve_kv(rid, len(p)) -> block ids | None
-                rid, hold_kv=True)
+    add_request(p, params.for_prefill(),           reserve_kv(rid, len(p), p) -> block ids | None
+                rid, hold_kv=True)                 reserved_num_cached_blocks(rid) -> k (prefix hits)
     step() ... until rid finishes (first token)
-    held_block_ids(rid) -> ids; pack_kv(ids) ----> unpack_kv(rid, packed)
+    held_block_ids(rid)[k:] -> ids;
+    pack_kv(ids), or in chunks   ---------------> unpack_kv(rid, packed, first_page)
     release_kv(rid)                                admit_prefilled(rid, p, first token, params)
                                                    step() ... streams tokens 2, 3, ...
     abort(rid) frees held blocks                   abort(rid) / cancel_reservation(rid)
@@ -24,6 +25,7 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.model_runner import SampledToken
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -50,12 +52,14 @@ class KVHandoff(_Base):
         here; the decode worker computes it). ValueError if nothing is held under the id."""
         return self.kv.held_block_ids(request_id)
 
-    def pack_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def pack_kv(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """A contiguous copy of pages ``block_ids`` of every layer,
         ``kv_layout.packed_shape(len(block_ids))`` = ``[L, 2, n, block_size, kv_heads,
-        head_dim]``. Being a copy, it stays valid after ``release_kv`` (on CUDA: for work
-        queued later on the same stream)."""
-        return self.runner.pack_kv(self._check_block_ids(block_ids, distinct=False))
+        head_dim]``, into ``out`` when given (a reused staging buffer of that shape; ValueError
+        otherwise). Being a copy, it stays valid after ``release_kv`` (on CUDA: for work
+        queued later on the same stream). Reads only the given blocks: another thread may
+        call it for blocks held under ``hold_kv`` while the engine steps."""
+        return self.runner.pack_kv(self._check_block_ids(block_ids, distinct=False), out)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks held under ``request_id`` (once). False if none are held."""
@@ -67,41 +71,65 @@ class KVHandoff(_Base):
         """The paged-KV shape both workers must agree on before exchanging pages."""
         return self.runner.kv_layout
 
-    def reserve_kv(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
-        """Take ``ceil(num_prompt_tokens / block_size)`` fresh blocks for a sequence whose
-        prompt K/V will arrive (``unpack_kv``); then ``admit_prefilled`` or
-        ``cancel_reservation``. Returns the block ids, or None when the pool cannot supply
-        them now (retry after blocks are freed). Reserving takes free blocks, evicting only
+    def reserve_kv(self, request_id: str, num_prompt_tokens: int,
+                   prompt_token_ids: Sequence[int] | None = None) -> list[int] | None:
+        """Take ``ceil(num_prompt_tokens / block_size)`` blocks for a sequence whose prompt
+        K/V will arrive (``unpack_kv``); then ``admit_prefilled`` or ``cancel_reservation``.
+        With ``prompt_token_ids`` (``num_prompt_tokens`` of them) the leading blocks this
+        worker's prefix cache already holds are taken as hits
+        (``reserved_num_cached_blocks``; at least the last block is always fresh), and only
+        the rest need pages. Returns the block ids, or None when the pool cannot supply them
+        now (retry after blocks are freed). Reserving takes free blocks, evicting only
         unreferenced cached ones: it never preempts and never touches a block a request
         holds. Reserved blocks count as used in ``num_free_blocks``.
 
         ValueError if the sequence could never run here (``num_prompt_tokens`` < 1, >=
-        ``max_model_len``, or with its first output token more blocks than the pool) or the
-        id is in use (queued, running, held or reserved)."""
+        ``max_model_len``, or with its first output token more blocks than the pool), the
+        token ids are not ``num_prompt_tokens`` valid ids, or the id is in use (queued,
+        running, held or reserved)."""
         if not is_int(num_prompt_tokens) or num_prompt_tokens < 1:
             raise ValueError(f"num_prompt_tokens must be an integer >= 1, got {num_prompt_tokens!r}")
         self._validate_prompt_len(num_prompt_tokens, "num_prompt_tokens")
+        if prompt_token_ids is not None:
+            token_ids = list(prompt_token_ids)
+            self._validate_prompt(token_ids, "prompt_token_ids")
+            if len(token_ids) != num_prompt_tokens:
+                raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens, num_prompt_tokens is {num_prompt_tokens}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if self.scheduler.is_known(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.kv.reserve(request_id, num_prompt_tokens)
+        return self.kv.reserve(request_id, num_prompt_tokens, prompt_token_ids)
 
-    def unpack_kv(self, request_id: str, packed: torch.Tensor) -> None:
+    def reserved_num_cached_blocks(self, request_id: str) -> int:
+        """How many leading blocks of the reservation under ``request_id`` are prefix-cache
+        hits (their pages need not travel). ValueError if nothing is reserved under the id."""
+        reservation = self.kv.reserved.get(request_id)
+        if reservation is None:
+            raise ValueError(f"request_id {request_id!r} has no reservation")
+        return reservation.num_cached_blocks
+
+    def unpack_kv(self, request_id: str, packed: torch.Tensor, first_page: int = 0) -> None:
         """Write page i of ``packed`` (``kv_layout.packed_shape(n)``, the cache dtype;
-        another device is copied over) into block i of the reservation under
-        ``request_id``, so pages can only land in the reservation they were sent for, never
-        in a block a request or the prefix cache relies on. ValueError when nothing is
-        reserved under the id, or on a shape or dtype mismatch.
+        another device is copied over) into fresh block ``first_page + i`` of the
+        reservation under ``request_id`` (its blocks after the prefix-cache hits), so pages
+        can only land in the reservation they were sent for, never in a block a request or
+        the prefix cache relies on. ValueError when nothing is reserved under the id, the
+        pages overrun the fresh blocks, or on a shape or dtype mismatch.
 
         Thread-safe against the engine's own thread while the caller guarantees that the
         reservation is neither cancelled nor admitted meanwhile (the decode worker holds the
         lock that freeing takes): the reservation's block list never changes, and only this
-        call writes its blocks."""
+        call writes its fresh blocks."""
         reservation = self.kv.reserved.get(request_id)
         if reservation is None:
             raise ValueError(f"request_id {request_id!r} has no reservation to unpack into")
-        self.runner.unpack_kv([block.block_id for block in reservation.blocks], packed)
+        fresh = reservation.fresh_blocks
+        num_pages = packed.shape[2] if isinstance(packed, torch.Tensor) and packed.dim() == 6 else -1
+        if not is_int(first_page) or first_page < 0 or num_pages < 0 or first_page + num_pages > len(fresh):
+            raise ValueError(f"packed pages [{first_page}, {first_page} + {num_pages}) must lie within the "
+                             f"reservation's {len(fresh)} fresh blocks")
+        self.runner.unpack_kv([block.block_id for block in fresh[first_page:first_page + num_pages]], packed)
 
     def admit_prefilled(
         self,
@@ -128,7 +156,8 @@ class KVHandoff(_Base):
           the first token, so its tokens equal an in-process run's (without speculation);
           plus ``num_prior_draws`` for a migrated request (see ``add_request``).
         * Prefix caching: the received full prompt blocks are published in this worker's
-          prefix cache (a block whose hash is already published stays private, unshared).
+          prefix cache (a block whose hash is already published stays private, unshared);
+          the reservation's hits count as cached prompt tokens (``num_cached_tokens``).
         * With ``params.logprobs`` set, ``first_logprob`` (and, for top-n, the prefill
           worker's ``first_top_logprobs``) are required: the request's logprob history
           starts with the first token's.
@@ -137,15 +166,7 @@ class KVHandoff(_Base):
         reservation is untouched, so the caller can still cancel it. ``prompt_token_ids``
         must have exactly the reserved length.
         """
-        num_reserved = self.kv.reserved_num_tokens(request_id)
-        if num_reserved is None:
-            raise ValueError(f"request_id {request_id!r} has no reservation (reserve_kv first)")
-        token_ids = list(prompt_token_ids)
-        self._validate_prompt(token_ids, "prompt_token_ids")
-        if len(token_ids) != num_reserved:
-            raise ValueError(
-                f"prompt_token_ids has {len(token_ids)} tokens; the reservation is for {num_reserved}"
-            )
+        token_ids = self._reserved_prompt(request_id, prompt_token_ids)
         self._validate_params(params, "params")
         vocab = self.spec.vocab_size
         if not is_int(first_token_id) or not 0 <= first_token_id < vocab:
@@ -156,13 +177,31 @@ class KVHandoff(_Base):
         request.append_output_token(first_token_id)
         self._record_logprobs(request, first)
         request.num_computed_tokens = len(token_ids)
-        self.stats.num_received_prompt_tokens += len(token_ids)
+        self._count_received(request)
         if self.tokenizer is not None and self.config.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids)
             detok.add([first_token_id])
             self._detok[request_id] = detok
         if not self.scheduler.add_prefilled(request):
             self._early_outputs.append(self._make_output(request, num_before=1))
+
+    def _reserved_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> list[int]:
+        """``prompt_token_ids`` as a list, checked against the reservation under ``request_id``."""
+        num_reserved = self.kv.reserved_num_tokens(request_id)
+        if num_reserved is None:
+            raise ValueError(f"request_id {request_id!r} has no reservation (reserve_kv first)")
+        token_ids = list(prompt_token_ids)
+        self._validate_prompt(token_ids, "prompt_token_ids")
+        if len(token_ids) != num_reserved:
+            raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens; the reservation is for {num_reserved}")
+        return token_ids
+
+    def _count_received(self, request: Request) -> None:
+        """The reservation's hits count as cached prompt tokens, the rest as received."""
+        num_cached = self.kv.reserved[request.request_id].num_cached_blocks * self.kv.block_size
+        request.num_cached_tokens = num_cached
+        self.stats.num_cached_prompt_tokens += num_cached
+        self.stats.num_received_prompt_tokens += request.num_prompt_tokens - num_cached
 
     @staticmethod
     def _first_token(

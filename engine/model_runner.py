@@ -135,10 +135,10 @@ class ModelRunner:
     def kv_layout(self) -> KVLayout:
         return KVLayout.of_cache(self.kv_cache)
 
-    def pack_kv(self, block_ids: list[int]) -> torch.Tensor:
+    def pack_kv(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Pages ``block_ids`` of every layer, ``[num_layers, 2, n, block_size, kv_heads,
-        head_dim]``, copied into one contiguous tensor on the cache's device."""
-        return ops.pack_kv(self.kv_cache, block_ids)
+        head_dim]``, copied into one contiguous tensor on the cache's device (``out``)."""
+        return ops.pack_kv(self.kv_cache, block_ids, out)
 
     def unpack_kv(self, block_ids: list[int], packed: torch.Tensor) -> None:
         """Write page i of ``packed`` into block ``block_ids[i]`` of every layer. A buffer on

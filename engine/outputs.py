@@ -80,3 +80,5 @@ class EngineLoad:
     num_waiting: int
     num_queued_prefill_tokens: int  # prompt tokens queued and not yet computed
     spec: SpecDecodeStats | None = None  # a copy of the speculative-decoding counters
+    num_cached_prompt_tokens: int = 0  # since start: prompt tokens served by the prefix cache
+    num_received_prompt_tokens: int = 0  # since start: prompt tokens whose pages arrived

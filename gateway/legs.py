@@ -1,8 +1,13 @@
 """One routing attempt of a request: the decode leg and, for a remote prefill, the prefill leg::
 
-    pick decode worker (gateway/routing.py) ── Decode(stream) ──▶ Reservation   (remote prefill)
-    pick prefill worker (gateway/routing.py) ── Prefill ──▶ first token
-    Decode stream ──▶ TokenChunk … DecodeFinished
+    pick decode worker (gateway/routing.py) ── Decode(stream) ──▶ Reservation{num_cached_blocks}  (remote prefill)
+    pick prefill worker (gateway/routing.py) ── Prefill ──▶ (its answer once the pages are sent)
+    Decode stream ──▶ FirstToken (as soon as the transfer is announced) ──▶ TokenChunk … DecodeFinished
+
+The first token reaches the client from whichever leg tells it first (``Legs``), once; until
+the prefill call answered, a decode stream that fails (but for a lost connection) blames the
+prefill worker, and a prefill call that fails fails the attempt at once, before or after the
+first token (the service then retries, or migrates with the first token counted as sent).
 
 Prompts shorter than ``local_prefill_max_tokens`` (with prefix routing: whose part the
 decode worker does not hold is that short, or that worker holds most of the prompt), or any
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -27,6 +33,7 @@ from gateway.routing import LEG_LOCAL, LEG_PREFILL
 from splitserve.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
 
 # gRPC details that mean the peer process is gone (as opposed to an application error).
+PREFILL_ANSWER_GRACE_S = 2.0  # how long a finished stream waits for the prefill's answer (its timings)
 _CONNECTION_LOST = ("Socket closed", "Connection reset", "failed to connect", "Connection refused",
                     "connections to all backends failing", "recvmsg", "Broken pipe", "GOAWAY")
 
@@ -70,29 +77,110 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
         metadata=req.metadata, timeout=req.time_remaining(),
     )
     decode.num_routed += 1
+    legs = Legs(req, call, decode)
     try:
-        pending: decode_pb2.DecodeResponse | None = None
         if not local:
-            first, pending = await _remote_prefill(req, prompt, registry, call, decode)
-            yield first
-            if req.text.stopped:
-                yield req.final(common_pb2.FINISH_REASON_STOP, None)
-                return
+            legs.prefill = await _start_prefill(req, prompt, registry, legs)
         on_finished = (lambda t: router.observe(LEG_LOCAL, route, t.num_cached_prompt_tokens)) if local else None
-        async for chunk in _decode_stream(req, call, decode, pending, on_finished):
+        async for chunk in _decode_stream(req, legs, on_finished):
             yield chunk
     finally:
         decode.num_routed -= 1
         call.cancel()
+        legs.close()
 
 
-async def _remote_prefill(
-    req: GatewayRequest, prompt: list[int], registry: Registry, call: grpc.aio.UnaryStreamCall,
-    decode: WorkerEntry,
-) -> tuple[gateway_pb2.GenerateResponse, decode_pb2.DecodeResponse | None]:
-    """Wait for the reservation, run the prefill leg; the first token's chunk, plus a decode
-    message that arrived meanwhile (or None)."""
-    reserved = await _read(call, decode)
+@dataclass(eq=False)
+class PrefillLeg:
+    """A running ``Prefill`` call and what the gateway charged to its worker."""
+
+    task: asyncio.Task[prefill_pb2.PrefillResponse]
+    worker: WorkerEntry
+    settle: Callable[[prefill_pb2.PrefillResponse], None]  # its answer's bookkeeping, once
+    release: Callable[[], None]  # gives back the routed prompt tokens, once
+    first_sent: bool = False  # the first token went to the client (from either leg)
+    settled: bool = False  # the call answered OK
+
+
+class Legs:
+    """One attempt's decode stream and, while it runs, its prefill call: ``next`` waits on
+    both, so either failing fails the attempt at once. The first token arrives from whichever
+    leg tells first (the decode stream's ``first_token``, sent when the transfer is
+    announced, or the prefill's answer) and goes to the client once."""
+
+    def __init__(self, req: GatewayRequest, call: grpc.aio.UnaryStreamCall, decode: WorkerEntry) -> None:
+        self.req = req
+        self.call = call
+        self.decode = decode
+        self.prefill: PrefillLeg | None = None
+        self._read: asyncio.Future[decode_pb2.DecodeResponse | None] | None = None
+
+    async def next(self) -> decode_pb2.DecodeResponse | None:
+        """The decode stream's next message (None at its end), or the first token from the
+        prefill's answer when that came first. LegFailed names the worker to blame."""
+        if self._read is None:
+            self._read = asyncio.ensure_future(_read(self.call, self.decode))
+        leg = self.prefill
+        if leg is not None and not leg.settled:
+            await asyncio.wait({leg.task, self._read}, return_when=asyncio.FIRST_COMPLETED)
+            first: decode_pb2.FirstToken | None = None
+            if leg.task.done():
+                result = self._settle(leg)  # LegFailed(prefill worker) if the call failed
+                if not leg.first_sent:
+                    first = decode_pb2.FirstToken(token_id=result.first_token_id)
+                    if result.HasField("first_logprob"):
+                        first.logprob.CopyFrom(result.first_logprob)
+            if self._read.done() and self._read.exception() is not None and not leg.settled:
+                exc = self._read.exception()
+                self._read = None
+                if isinstance(exc, LegFailed) and not exc.connection_lost:
+                    # The decode worker is alive but gave up on the pages (lease, failed
+                    # receive): the prefill side is the one to avoid on the retry.
+                    raise LegFailed(leg.worker, exc.code, exc.details)
+                raise exc  # type: ignore[misc]
+            if first is not None:
+                return decode_pb2.DecodeResponse(first_token=first)  # the read stays pending
+        read, self._read = self._read, None
+        return await read
+
+    def _settle(self, leg: PrefillLeg) -> prefill_pb2.PrefillResponse:
+        leg.release()
+        try:
+            result = leg.task.result()
+        except grpc.aio.AioRpcError as exc:
+            raise LegFailed(leg.worker, exc.code(), exc.details() or "") from None
+        except asyncio.CancelledError:
+            raise LegFailed(leg.worker, grpc.StatusCode.CANCELLED, "prefill call cancelled") from None
+        leg.settled = True
+        leg.settle(result)
+        return result
+
+    async def await_prefill(self) -> None:
+        """Before the final chunk: the prefill's answer (its timings, the routing observation)
+        when it has not come yet, waiting at most ``PREFILL_ANSWER_GRACE_S``. The decode
+        stream can finish first, since the prefill answers once its last message is sent; a
+        prefill that fails now changes nothing, every token being out."""
+        leg = self.prefill
+        if leg is None or leg.settled:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(leg.task), PREFILL_ANSWER_GRACE_S)
+            self._settle(leg)
+        except (asyncio.TimeoutError, LegFailed, grpc.aio.AioRpcError):
+            pass
+
+    def close(self) -> None:
+        if self._read is not None:
+            _discard(self._read)
+        if self.prefill is not None:
+            self.prefill.release()
+            _discard(self.prefill.task)
+
+
+async def _start_prefill(req: GatewayRequest, prompt: list[int], registry: Registry, legs: Legs) -> PrefillLeg:
+    """Wait for the reservation, then start the prefill leg on the worker routing picks."""
+    decode = legs.decode
+    reserved = await _read(legs.call, decode)
     if reserved is None or reserved.WhichOneof("event") != "reserved":
         raise LegFailed(decode, grpc.StatusCode.INTERNAL, "decode stream did not start with a reservation")
     route = registry.router.pick_prefill(req)
@@ -102,57 +190,76 @@ async def _remote_prefill(
     queue_us = int((time.monotonic() - req.start) * 1e6)
     num_uncached = len(prompt) - route.num_hit_tokens  # what it is expected to compute
     prefill.num_routed_prefill_tokens += num_uncached
+    r = reserved.reserved
     task = asyncio.ensure_future(prefill.stub.Prefill(  # type: ignore[attr-defined]
         prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=prompt,
             sampling=req.validated.sampling, stopping=req.attempt_stopping,
             target=prefill_pb2.DecodeTarget(
-                worker_id=decode.worker_id, address=decode.address,
-                transfer_id=reserved.reserved.transfer_id, num_blocks=reserved.reserved.num_blocks,
-                incarnation=reserved.reserved.incarnation, transfer_secret=reserved.reserved.transfer_secret,
+                worker_id=decode.worker_id, address=decode.address, transfer_id=r.transfer_id,
+                num_blocks=r.num_blocks, incarnation=r.incarnation, transfer_secret=r.transfer_secret,
+                num_cached_blocks=r.num_cached_blocks,
             ),
             num_prior_output_tokens=req.num_tokens,
         ),
         metadata=req.metadata, timeout=req.time_remaining(),
     ))
-    try:
-        result, pending = await _await_prefill(task, prefill, call, decode)
-    finally:
-        prefill.num_routed_prefill_tokens -= num_uncached
-        _discard(task)
-    registry.router.observe(LEG_PREFILL, route, result.timings.num_cached_prompt_tokens)
-    if req.timings is None:  # the first token's path (a migration keeps the original's)
-        req.timings = common_pb2.PhaseTimings()
-        req.timings.CopyFrom(result.timings)
-        req.timings.queue_us = queue_us
-    logprobs = [result.first_logprob] if result.HasField("first_logprob") else []
-    return req.emit([result.first_token_id], logprobs), pending
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            prefill.num_routed_prefill_tokens -= num_uncached
+
+    def settle(result: prefill_pb2.PrefillResponse) -> None:
+        registry.router.observe(LEG_PREFILL, route, result.timings.num_cached_prompt_tokens)
+        if req.timings is None or req.timings_pending:  # the first token's path (a migration keeps the original's)
+            req.timings = common_pb2.PhaseTimings()
+            req.timings.CopyFrom(result.timings)
+            req.timings.queue_us = queue_us
+            req.timings_pending = False
+
+    return PrefillLeg(task, prefill, settle, release)
 
 
 async def _decode_stream(
-    req: GatewayRequest, call: grpc.aio.UnaryStreamCall, decode: WorkerEntry,
-    pending: decode_pb2.DecodeResponse | None,
+    req: GatewayRequest, legs: Legs,
     on_finished: Callable[[common_pb2.PhaseTimings], None] | None = None,
 ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-    """Token chunks from the decode leg until it finishes (or a stop string matched);
-    ``on_finished`` sees the decode worker's timings when it reports the finish."""
+    """Token chunks (the first token of a remote prefill included) until the decode leg
+    finishes (or a stop string matched); ``on_finished`` sees the decode worker's timings
+    when it reports the finish."""
     while True:
-        msg = pending if pending is not None else await _read(call, decode)
-        pending = None
+        msg = await legs.next()
         if msg is None:
-            raise LegFailed(decode, grpc.StatusCode.UNAVAILABLE, "decode stream ended without a finish")
+            raise LegFailed(legs.decode, grpc.StatusCode.UNAVAILABLE, "decode stream ended without a finish")
         kind = msg.WhichOneof("event")
-        if kind == "tokens":
+        if kind == "first_token":
+            leg = legs.prefill
+            if leg is None or leg.first_sent:
+                continue  # the other leg told it first: it reached the client once
+            leg.first_sent = True
+            if req.timings is None:  # filled in from the prefill's answer (a migration keeps the original's)
+                req.timings = common_pb2.PhaseTimings(queue_us=int((time.monotonic() - req.start) * 1e6))
+                req.timings_pending = True
+            first = msg.first_token
+            yield req.emit([first.token_id], [first.logprob] if first.HasField("logprob") else [])
+        elif kind == "tokens":
             if req.timings is None:  # local prefill: the first chunk ends the prefill
                 req.timings = common_pb2.PhaseTimings()
             yield req.emit(list(msg.tokens.token_ids), list(msg.tokens.logprobs))
-            if req.text.stopped:
-                yield req.final(common_pb2.FINISH_REASON_STOP, None)
-                return
         elif kind == "finished":
             if on_finished is not None:
                 on_finished(msg.finished.timings)
+            await legs.await_prefill()
             yield req.final(msg.finished.finish_reason, msg.finished.timings)
+            return
+        else:
+            continue
+        if req.text.stopped:
+            await legs.await_prefill()
+            yield req.final(common_pb2.FINISH_REASON_STOP, None)
             return
 
 
@@ -162,30 +269,6 @@ async def _read(call: grpc.aio.UnaryStreamCall, worker: WorkerEntry) -> decode_p
     except grpc.aio.AioRpcError as exc:
         raise LegFailed(worker, exc.code(), exc.details() or "") from None
     return None if msg is grpc.aio.EOF else msg
-
-
-async def _await_prefill(
-    task: asyncio.Task[prefill_pb2.PrefillResponse], prefill: WorkerEntry,
-    call: grpc.aio.UnaryStreamCall, decode: WorkerEntry,
-) -> tuple[prefill_pb2.PrefillResponse, decode_pb2.DecodeResponse | None]:
-    """Wait for the prefill leg while watching the decode leg: either failing cancels the other."""
-    read_task = asyncio.ensure_future(_read(call, decode))
-    try:
-        done, _ = await asyncio.wait({task, read_task}, return_when=asyncio.FIRST_COMPLETED)
-        if read_task in done and read_task.exception() is not None:
-            exc = read_task.exception()
-            if isinstance(exc, LegFailed) and not exc.connection_lost:
-                # The decode worker is alive but gave up on the pages (lease, failed
-                # receive): the prefill side is the one to avoid on the retry.
-                raise LegFailed(prefill, exc.code, exc.details)
-            raise exc  # type: ignore[misc]
-        try:
-            first = await task
-        except grpc.aio.AioRpcError as exc:
-            raise LegFailed(prefill, exc.code(), exc.details() or "") from None
-        return first, await read_task
-    finally:
-        _discard(read_task)
 
 
 def _discard(task: asyncio.Future) -> None:

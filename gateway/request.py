@@ -38,6 +38,7 @@ class GatewayRequest:
     last_emit: float = 0.0
     first_token_at: float = 0.0
     timings: common_pb2.PhaseTimings | None = None
+    timings_pending: bool = False  # the first token came before the prefill's answer and its timings
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -106,6 +107,8 @@ class GatewayRequest:
                 timings.prefill_us = decode_timings.prefill_us
             if not timings.num_cached_prompt_tokens and not self.migrations:
                 timings.num_cached_prompt_tokens = decode_timings.num_cached_prompt_tokens
+            if not self.migrations:  # the pages were written on the decode side after the last send
+                timings.transfer_us = max(timings.transfer_us, decode_timings.transfer_us)
         timings.migrations = self.migrations
         now = time.monotonic()
         timings.first_token_us = int(((self.first_token_at or now) - self.start) * 1e6)

@@ -51,11 +51,16 @@ def _check_buffer(kv_cache: torch.Tensor, buffer: torch.Tensor, num_ids: int) ->
 def pack_kv_ref(
     kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     block_ids: torch.Tensor | Sequence[int],  # [n]
+    out: torch.Tensor | None = None,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
 ) -> torch.Tensor:  # [num_layers, 2, n, block_size, num_kv_heads, head_dim], contiguous
-    """Torch reference: gather the pages ``block_ids`` of every layer into a new buffer."""
+    """Torch reference: gather the pages ``block_ids`` of every layer into ``out`` (a new
+    buffer when None)."""
     _check_kv_cache(kv_cache)
     ids = _as_block_ids(block_ids, kv_cache.device)
-    return torch.index_select(kv_cache, 2, ids).contiguous()
+    if out is None:
+        return torch.index_select(kv_cache, 2, ids).contiguous()
+    _check_buffer(kv_cache, out, ids.shape[0])
+    return torch.index_select(kv_cache, 2, ids, out=out)
 
 
 def unpack_kv_ref(
@@ -123,12 +128,15 @@ def _launch_copy_pages(
 def pack_kv_triton(
     kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     block_ids: torch.Tensor | Sequence[int],  # [n]
+    out: torch.Tensor | None = None,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
 ) -> torch.Tensor:  # [num_layers, 2, n, block_size, num_kv_heads, head_dim], contiguous
     """Triton version of :func:`pack_kv_ref`."""
     require_triton()
     _check_kv_cache(kv_cache)
     ids = _as_block_ids(block_ids, kv_cache.device).contiguous()
-    buffer = torch.empty(
+    if out is not None:
+        _check_buffer(kv_cache, out, ids.shape[0])
+    buffer = out if out is not None else torch.empty(
         (*kv_cache.shape[:2], ids.shape[0], *kv_cache.shape[3:]),
         dtype=kv_cache.dtype,
         device=kv_cache.device,

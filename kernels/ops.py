@@ -61,10 +61,12 @@ def paged_attention(
 def pack_kv(
     kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     block_ids: torch.Tensor | Sequence[int],  # [n]
+    out: torch.Tensor | None = None,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
 ) -> torch.Tensor:  # [num_layers, 2, n, block_size, num_kv_heads, head_dim], contiguous
-    """Copy the pages ``block_ids`` of every layer into one contiguous buffer."""
+    """Copy the pages ``block_ids`` of every layer into one contiguous buffer (``out``, a
+    reused staging buffer, when given)."""
     impl = pack_kv_triton if use_triton(kv_cache.device) else pack_kv_ref
-    return impl(kv_cache, block_ids)
+    return impl(kv_cache, block_ids, out)
 
 
 def unpack_kv(

@@ -90,9 +90,11 @@ class WorkerConfig:
     engine: EngineConfig
     gateway: str  # host:port of the gateway's registry
     transport: str = "auto"  # auto: nccl on CUDA, gloo otherwise
-    transfer_timeout_s: float = 30.0  # one channel operation, and AwaitTransfer
+    transfer_timeout_s: float = 30.0  # one channel operation (one message), and AwaitTransfer
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
     max_reservations_per_request: int = 8  # decode: reservations one request id may take (leases are not renewable without end)
+    kv_chunk_bytes: int = 8 << 20  # prefill: KV pages per message on the channel, in bytes (pipelined)
+    kv_channels_per_peer: int = 4  # prefill: lanes (channels) per decode worker, one transfer each at a time
     # Fault injection for the failure tests: the prefill worker sleeps this long between
     # announcing a transfer and posting its send (0: off).
     fault_transfer_stall_s: float = 0.0
@@ -102,6 +104,10 @@ class WorkerConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.kv_channels_per_peer < 1:
+            raise ValueError(f"kv_channels_per_peer must be >= 1, got {self.kv_channels_per_peer}")
+        if self.kv_chunk_bytes < 1:
+            raise ValueError(f"kv_chunk_bytes must be >= 1, got {self.kv_chunk_bytes}")
         if self.max_reservations_per_request < 1:
             raise ValueError(f"max_reservations_per_request must be >= 1, got {self.max_reservations_per_request}")
 
@@ -299,6 +305,10 @@ def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--transfer-timeout-s", type=float, default=30.0, help="KV channel op timeout")
     add_flag(p, "--max-reservations-per-request", type=int, default=8,
              help="decode: KV reservations one request id may take on this worker")
+    add_flag(p, "--kv-chunk-bytes", type=int, default=8 << 20,
+             help="prefill: KV pages travel in messages of about this many bytes, packed while earlier ones are on the wire")
+    add_flag(p, "--kv-channels-per-peer", type=int, default=4,
+             help="prefill: KV channels to each decode worker; each carries one transfer at a time")
     add_flag(p, "--fault-transfer-stall-s", type=float, default=0.0,
              help="failure testing only: stall each KV send this long after announcing it")
 
@@ -308,7 +318,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         server=server_config(args), engine=engine_config(args), gateway=args.gateway,
         transport=args.transport, transfer_timeout_s=args.transfer_timeout_s,
         max_reservations_per_request=args.max_reservations_per_request,
-        fault_transfer_stall_s=args.fault_transfer_stall_s,
+        fault_transfer_stall_s=args.fault_transfer_stall_s, kv_chunk_bytes=args.kv_chunk_bytes,
+        kv_channels_per_peer=args.kv_channels_per_peer,
     )
 
 

@@ -146,10 +146,13 @@ class EngineServicer:
         self.metrics.waiting.set(load.num_waiting)
         if load.spec is not None:
             self.metrics.observe_spec(load.spec)
+        self.metrics.observe_totals(load.num_cached_prompt_tokens, load.num_received_prompt_tokens)
         return common_pb2.WorkerLoad(
             kv_blocks_total=load.num_blocks_total, kv_blocks_free=load.num_blocks_free,
             kv_blocks_in_transfer=in_transfer, num_running=load.num_running,
             num_waiting=load.num_waiting, num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+            num_cached_prompt_tokens=load.num_cached_prompt_tokens,
+            num_received_prompt_tokens=load.num_received_prompt_tokens,
         )
 
     def load_snapshot(self) -> common_pb2.WorkerLoad:

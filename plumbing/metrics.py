@@ -148,7 +148,20 @@ class WorkerMetrics:
     spec_accepted_tokens: Counter
     spec_accepted_per_position: Counter
     auth_failures: Counter
+    prefix_cache_hit_tokens: Counter
+    received_prompt_tokens: Counter
     _spec_seen: dict = None  # type: ignore[assignment]
+    _totals_seen: dict = None  # type: ignore[assignment]
+
+    def observe_totals(self, num_cached_prompt_tokens: int, num_received_prompt_tokens: int) -> None:
+        """Advance the prompt-token counters to the engine's running totals."""
+        seen = self._totals_seen or {}
+        for key, counter, total in (("cached", self.prefix_cache_hit_tokens, num_cached_prompt_tokens),
+                                    ("received", self.received_prompt_tokens, num_received_prompt_tokens)):
+            if total > seen.get(key, 0):
+                counter.inc(total - seen.get(key, 0))
+                seen[key] = total
+        self._totals_seen = seen
 
     def count_auth_failure(self, surface: str, reason: str) -> None:
         self.auth_failures.labels(surface=surface, reason=reason).inc()
@@ -208,6 +221,11 @@ class WorkerMetrics:
             spec_accepted_per_position=counter("splitserve_spec_decode_accepted_per_position",
                                                "Drafts whose token at this position was accepted", ["position"]),
             auth_failures=auth_failures_counter(r),
+            prefix_cache_hit_tokens=counter("splitserve_prefix_cache_hit_tokens",
+                                            "Prompt tokens served by this worker's prefix cache (decode: "
+                                            "reservation hits whose pages did not travel)"),
+            received_prompt_tokens=counter("splitserve_kv_received_prompt_tokens",
+                                           "Prompt tokens whose KV pages arrived from a prefill worker"),
         )
         metrics._role = role
         return metrics

@@ -1,11 +1,15 @@
 """The prefill worker's gRPC service.
 
 ``Prefill``: the prompt joins the engine's batch (chunked prefill, prefix cache) with
-``max_tokens=1`` and ``hold_kv``; once the first token is sampled the held pages are packed
-into one buffer (engine thread), announced to the decode worker and sent on the pair's
-channel; when the decode worker reports the transfer DONE (``AwaitTransfer``) the held
-blocks are released. Any failure or cancellation releases them too — exactly once, in the
-``finally`` — and the transport never touches a block, only the packed copy.
+``max_tokens=1`` and ``hold_kv``; once the first token is sampled the transfer is announced
+to the decode worker (which streams the first token to the gateway at once) and, without
+waiting for the reply, the held pages the decode worker lacks are packed chunk by chunk into
+reused staging buffers (off the engine thread) and sent on one of the pair's lanes
+(``channels.py``) while later chunks pack; once the last chunk is sent the held blocks are
+released (the decode worker's stream reports whether the pages
+landed: no ``AwaitTransfer`` round trip). Any failure or cancellation releases them too —
+exactly once, in the ``finally`` — and the transport never touches a block, only the
+staging copies.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from plumbing import convert
 from plumbing.config import WorkerConfig
 from plumbing.identity import TRANSFER_SECRET_BYTES, frame_tag
 from plumbing.rpc import ServiceError
+from plumbing.transport.pages import chunk_blocks_for
 from splitserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from plumbing.engine_service import EngineServicer
 from prefill_worker.channels import ChannelPool
@@ -39,7 +44,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         self.channels = ChannelPool(
             engine.kv_layout, config.resolved_transport(), config.server.public_host,
             config.engine.device, config.transfer_timeout_s, self.incarnation, config.fault_transfer_stall_s,
-            security=self.channel_security,
+            security=self.channel_security, num_lanes=config.kv_channels_per_peer,
         )
         self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request
         self._num_held_blocks = 0  # their sum (engine thread writes, heartbeats read an int)
@@ -63,13 +68,15 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         if len(request.target.transfer_secret) != TRANSFER_SECRET_BYTES:
             raise ValueError(f"target.transfer_secret must be {TRANSFER_SECRET_BYTES} bytes (from the Reservation)")
         await self.open_stream(rid, "prefilled")
+        ship: asyncio.Future[None] | None = None
         try:
             out, timings = await self._first_token(rid, prompt, params, num_prior)
             first_logprob = None
             if out.logprobs:
                 tops = out.top_logprobs[0] if out.top_logprobs else None
                 first_logprob = convert.token_logprob(out.token_ids[0], out.logprobs[0], tops)
-            await self._ship(request, out.token_ids[0], first_logprob, timings)
+            ship = asyncio.ensure_future(self._ship(request, out.token_ids[0], first_logprob, timings))
+            await asyncio.shield(ship)
             response = prefill_pb2.PrefillResponse(first_token_id=out.token_ids[0], timings=timings)
             if first_logprob is not None:
                 response.first_logprob.CopyFrom(first_logprob)
@@ -78,7 +85,20 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             self.metrics.transfers.labels(role=self.role_name, outcome="failed").inc()
             raise
         finally:
+            self._release_after(ship, rid)
+
+    def _release_after(self, ship: asyncio.Future[None] | None, rid: str) -> None:
+        """Free the held blocks once, and never while a pack may still read them: a call
+        cancelled mid-transfer frees them when its (bounded) transfer task ends."""
+        def release(task: asyncio.Future[None] | None = None) -> None:
+            if task is not None and not task.cancelled():
+                task.exception()  # taken: the cancelled caller no longer waits for it
             self.close_stream(rid, lambda e: self._free(e, rid))
+
+        if ship is not None and not ship.done():
+            ship.add_done_callback(release)
+        else:
+            release()
 
     async def _first_token(
         self, rid: str, prompt: list[int], params: SamplingParams, num_prior: int,
@@ -98,51 +118,52 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def _ship(self, request: prefill_pb2.PrefillRequest, first_token_id: int,
                     first_logprob: common_pb2.TokenLogprob | None, timings: common_pb2.PhaseTimings) -> None:
-        """Pack the held pages, announce and send them, and wait until the decode worker has
-        them in its reservation (DONE). Fills the transfer fields of ``timings``."""
+        """Announce the transfer, then pack the held pages the decode worker lacks (those after
+        its ``num_cached_blocks`` prefix hits) chunk by chunk while earlier chunks are on the
+        wire. Returns once the last chunk is sent; whether the pages landed is the decode
+        worker's to report (its Decode stream). Fills the transfer fields of ``timings``."""
         target = request.target
-        packed = await self.on_engine_thread(self._pack(str(request.request_id)))
-        num_bytes = packed.numel() * packed.element_size()
+        rid = str(request.request_id)
+        block_ids = await self.on_engine_thread(self._hold_count(rid))
+        if target.num_cached_blocks >= len(block_ids):
+            raise ValueError(f"target.num_cached_blocks={target.num_cached_blocks} must be below the "
+                             f"prompt's {len(block_ids)} blocks")
+        ids = block_ids[target.num_cached_blocks:]
+        layout = self.engine.kv_layout
+        num_bytes = len(ids) * layout.bytes_per_block
         timings.transfer_bytes = num_bytes
         header = kv_transfer_pb2.TransferHeader(
             transfer_id=target.transfer_id, transfer_secret=target.transfer_secret,
-            request_id=request.request_id, num_blocks=packed.shape[2],
+            request_id=request.request_id, num_blocks=len(ids), num_cached_blocks=target.num_cached_blocks,
+            chunk_blocks=chunk_blocks_for(layout.bytes_per_block, self.config.kv_chunk_bytes),
             num_bytes=num_bytes, num_prompt_tokens=len(request.prompt_token_ids),
             first_token_id=first_token_id, timings=timings,
         )
         if first_logprob is not None:
             header.first_logprob.CopyFrom(first_logprob)
         t_transfer = time.monotonic()
-        send = await self.channels.announce_and_send(
-            target.address, target.incarnation, header, packed, frame_tag(target.transfer_id, target.transfer_secret))
-        t_wire = time.monotonic()
-        await asyncio.wrap_future(send)
-        timings.transfer_wire_us = int((time.monotonic() - t_wire) * 1e6)
-        status = await self.channels.peer(target.address).stub.AwaitTransfer(
-            kv_transfer_pb2.AwaitTransferRequest(transfer_id=target.transfer_id,
-                                                 transfer_secret=target.transfer_secret,
-                                                 timeout_ms=int(self.config.transfer_timeout_s * 1000)),
-            timeout=self.config.transfer_timeout_s + 1,
-        )
-        if status.state != kv_transfer_pb2.TRANSFER_STATE_DONE:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"decode worker did not take the KV pages: {status.error or status.state}")
+        wire_s = await self.channels.announce_and_send(
+            target.address, target.incarnation, header,
+            lambda start, n, out: self.engine.pack_kv(ids[start:start + n], out),
+            frame_tag(target.transfer_id, target.transfer_secret))
         seconds = time.monotonic() - t_transfer
+        timings.transfer_wire_us = int(wire_s * 1e6)
         timings.transfer_us = int(seconds * 1e6)
         self.metrics.transfer_bytes.inc(num_bytes)
         self.metrics.transfer_seconds.observe(seconds)
         self.metrics.transfers.labels(role=self.role_name, outcome="done").inc()
         log.info("prefill.done", num_prompt_tokens=len(request.prompt_token_ids), transfer_bytes=num_bytes,
-                 prefill_s=round(timings.prefill_us / 1e6, 6), transfer_s=round(seconds, 6))
+                 num_cached_blocks=target.num_cached_blocks, prefill_s=round(timings.prefill_us / 1e6, 6),
+                 transfer_s=round(seconds, 6))
 
-    def _pack(self, rid: str):  # noqa: ANN202 - returns an engine-thread closure
-        def pack(engine: Engine):  # noqa: ANN202
+    def _hold_count(self, rid: str):  # noqa: ANN202 - returns an engine-thread closure
+        def held(engine: Engine) -> list[int]:
             block_ids = engine.held_block_ids(rid)
             self._num_held[rid] = len(block_ids)
             self._num_held_blocks += len(block_ids)
-            return engine.pack_kv(block_ids)
+            return block_ids
 
-        return pack
+        return held
 
     def _free(self, engine: Engine, rid: str) -> None:
         """Engine thread: release the held pages (or abort a still-running prefill), once."""

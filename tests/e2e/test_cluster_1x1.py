@@ -307,3 +307,28 @@ def test_one_token_requests_and_logprobs_through_the_split(cluster: Cluster) -> 
         assert got.logprob == pytest.approx(lp, abs=1e-4)
         assert set(got.top_logprobs) == set(top)
     assert all(idle(s) for s in wait_all_free(cluster.addresses["gateway"]).values())
+
+
+def test_only_the_blocks_the_decode_worker_lacks_travel(cluster: Cluster) -> None:
+    """A second prompt sharing 4 full blocks with the first: the decode worker reserves them
+    from its own prefix cache, and only the other 7 blocks' pages are shipped; the hits show
+    in GetStats and Prometheus, and the output is the in-process engine's."""
+    gw = cluster.addresses["gateway"]
+    decode = cluster.addresses["decode-0"]
+    prefix = list(range(2000, 2064))  # 4 blocks of 16 no other test sends
+    first, second = prefix + list(range(2100, 2200)), prefix + list(range(2200, 2300))  # 164 tokens: 11 blocks
+    before = worker_stats(gw)[decode]
+    scraped = _scrape(METRICS_PORTS["decode-0"]).get('splitserve_prefix_cache_hit_tokens_total{role="decode"}', 0.0)
+    res1 = stream(gw, make_request(first, 6))
+    res2 = stream(gw, make_request(second, 6))
+    assert res1.error is None and res2.error is None
+    bytes_per_block = res1.timings.transfer_bytes // 11
+    assert res1.timings.transfer_bytes == 11 * bytes_per_block > 0  # nothing of it was cached
+    assert res2.timings.transfer_bytes == 7 * bytes_per_block
+    after = worker_stats(gw)[decode]
+    assert after.num_cached_prompt_tokens - before.num_cached_prompt_tokens == 64
+    assert after.num_received_prompt_tokens - before.num_received_prompt_tokens == 164 + 100
+    assert _scrape(METRICS_PORTS["decode-0"])['splitserve_prefix_cache_hit_tokens_total{role="decode"}'] - scraped == 64
+    engine = Engine(EngineConfig(model=MODEL, num_threads=1))
+    expected = engine.generate([first, second], SamplingParams(temperature=0.0, max_tokens=6))
+    assert [res1.token_ids, res2.token_ids] == [o.token_ids for o in expected]

@@ -30,7 +30,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     # Speculative decoding (n-gram) on the decode workers: greedy output must not change.
     with Cluster(MODEL, num_prefill=2, num_decode=2, log_dir=str(logs),
                  gateway_flags=["--heartbeat-period-ms", "500", "--heartbeat-miss-count", "4"],
-                 decode_flags=["--speculative", "ngram", "--num-speculative-tokens", "4"]) as c:
+                 decode_flags=["--speculative", "ngram", "--num-speculative-tokens", "4"],
+                 # 2 blocks a message: the pages of most prompts travel in several messages
+                 prefill_flags=["--kv-chunk-bytes", "65536", "--kv-channels-per-peer", "2"]) as c:
         yield c
 
 

@@ -494,7 +494,7 @@ def test_bad_input_names_the_field(ckpt_dir: Callable[..., Path]) -> None:
         b.reserve_kv("local", 10)
     layout = b.kv_layout
     assert layout == KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
-    for bad in (torch.zeros(layout.packed_shape(2)), torch.zeros(1, *layout.packed_shape(3)[1:]),
+    for bad in (torch.zeros(layout.packed_shape(4)), torch.zeros(1, *layout.packed_shape(3)[1:]),
                 torch.zeros(layout.packed_shape(3), dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="packed"):
             b.unpack_kv("x", bad)

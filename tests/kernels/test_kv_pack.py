@@ -98,3 +98,14 @@ def test_bad_arguments(impl) -> None:
         UNPACK[impl](kv_cache, buffer, [2])
     with pytest.raises(ValueError, match="buffer"):
         UNPACK[impl](kv_cache, buffer.bfloat16(), [0, 2])
+
+
+@pytest.mark.parametrize("impl", sorted(PACK))
+def test_pack_into_a_reused_buffer(impl) -> None:
+    kv_cache = make_kv_cache(2, 9, 16, 2, 16, seed=4)
+    out = torch.full((2, 2, 3, 16, 2, 16), 7.0)
+    for ids in ([8, 2, 5], [0, 1, 4]):  # the same staging buffer, twice
+        assert PACK[impl](kv_cache, ids, out) is out
+        assert torch.equal(out, kv_cache[:, :, ids])
+    with pytest.raises(ValueError, match="buffer must be"):
+        PACK[impl](kv_cache, [1, 2], out)  # 2 pages into a 3-page buffer

@@ -4,7 +4,7 @@ variable, read once at a service's start, never at import).
 The OpenTelemetry SDK and its gRPC instrumentation do the work: a server span per traced
 RPC, a client span per call a service makes, the W3C ``traceparent`` carried in gRPC
 metadata, so one request's spans form one trace across the HTTP front, the gateway and both
-workers (gateway ``Generate`` → ``Prefill`` → ``AnnounceTransfer`` / ``AwaitTransfer`` →
+workers (gateway ``Generate`` → ``Prefill`` → ``AnnounceTransfer`` / ``kv.transfer.wire`` →
 ``Decode``). Heartbeats, registrations, health checks and reflection are not traced: they
 are periodic plumbing, and every heartbeat would be a trace of its own. Spans leave through
 the OTLP/gRPC exporter in batches (``OTEL_EXPORTER_OTLP_*`` and ``OTEL_BSP_*`` variables
@@ -140,3 +140,16 @@ def http_span(name: str, headers: Any) -> Any:
     tracer = _State.provider.get_tracer("splitserve.http")
     return tracer.start_as_current_span(name, context=propagate.extract(dict(headers)),
                                         kind=trace.SpanKind.SERVER)
+
+
+def internal_span(name: str, attributes: dict[str, Any]) -> Any:
+    """A span for work inside a service (the KV pages on the wire), a child of the current
+    one; a context manager (a no-op one while tracing is off)."""
+    from contextlib import nullcontext
+
+    if _State.provider is None:
+        return nullcontext()
+    from opentelemetry import trace
+
+    return _State.provider.get_tracer("splitserve.kv").start_as_current_span(
+        name, kind=trace.SpanKind.INTERNAL, attributes=attributes)

@@ -36,6 +36,7 @@ import structlog
 import torch
 
 from engine.kv_layout import KVLayout
+from plumbing import tracing
 from plumbing.blocking import DaemonCalls
 from plumbing.convert import kv_layout_to_proto
 from plumbing.channels import ChannelSecurity, PeerChannel
@@ -168,11 +169,13 @@ class ChannelPool:
                 await asyncio.sleep(self.fault_stall_s)
             chunks = chunk_ranges(header.num_blocks, header.chunk_blocks)
             t_wire = time.monotonic()
-            sent = await asyncio.to_thread(send_chunks, channel, chunks, tag, self._staging,
-                                           self.layout.packed_shape, getattr(torch, self.layout.dtype), pack,
-                                           self._staging_device())
-            await asyncio.shield(announce)
-            await asyncio.wrap_future(sent)
+            with tracing.internal_span("kv.transfer.wire", {"kv.blocks": header.num_blocks,
+                                                            "kv.messages": len(chunks), "kv.lane": lane.index}):
+                sent = await asyncio.to_thread(send_chunks, channel, chunks, tag, self._staging,
+                                               self.layout.packed_shape, getattr(torch, self.layout.dtype), pack,
+                                               self._staging_device())
+                await asyncio.shield(announce)
+                await asyncio.wrap_future(sent)
             return time.monotonic() - t_wire
         except BaseException as exc:
             # The posted sends (if any) can only be matched by this transfer's receives: a

@@ -188,9 +188,8 @@ def test_one_trace_spans_all_four_processes_and_no_heartbeats(client: openai.Ope
     client.completions.create(model="target", prompt=PROMPTS[2] * 8, max_tokens=4, temperature=0,
                               extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
     server = {"/splitserve.v1.Gateway/Generate", "/splitserve.v1.PrefillWorker/Prefill",
-              "/splitserve.v1.DecodeWorker/Decode", "/splitserve.v1.DecodeWorker/AnnounceTransfer",
-              "/splitserve.v1.DecodeWorker/AwaitTransfer"}
-    spans = receiver.wait_for(trace_id, server | {"POST /v1/completions"})
+              "/splitserve.v1.DecodeWorker/Decode", "/splitserve.v1.DecodeWorker/AnnounceTransfer"}
+    spans = receiver.wait_for(trace_id, server | {"POST /v1/completions", "kv.transfer.wire"})
     by_id = {s.span_id: s for s in spans}
 
     def server_span(service: str, name: str):  # noqa: ANN202
@@ -209,8 +208,11 @@ def test_one_trace_spans_all_four_processes_and_no_heartbeats(client: openai.Ope
     prefill = server_span("prefill", "/splitserve.v1.PrefillWorker/Prefill")
     assert parent_of(prefill) == generate
     assert parent_of(server_span("decode", "/splitserve.v1.DecodeWorker/Decode")) == generate
-    for name in ("AnnounceTransfer", "AwaitTransfer"):
-        assert parent_of(server_span("decode", f"/splitserve.v1.DecodeWorker/{name}")) == prefill
+    # The prefill announces its pages to the decode worker (the decode stream, not a call back
+    # from the prefill worker, reports that they landed: no AwaitTransfer on this path).
+    assert parent_of(server_span("decode", "/splitserve.v1.DecodeWorker/AnnounceTransfer")) == prefill
+    [wire] = [s for s in spans if s.service == "splitserve-prefill" and s.name == "kv.transfer.wire"]
+    assert by_id[wire.parent_span_id] == prefill  # the pages on the wire, inside the Prefill call
     every = receiver.spans()
     assert not [s.name for s in every if "Heartbeat" in s.name or "RegisterWorker" in s.name or "grpc." in s.name]
 

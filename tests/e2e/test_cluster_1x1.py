@@ -318,7 +318,8 @@ def test_only_the_blocks_the_decode_worker_lacks_travel(cluster: Cluster) -> Non
     prefix = list(range(2000, 2064))  # 4 blocks of 16 no other test sends
     first, second = prefix + list(range(2100, 2200)), prefix + list(range(2200, 2300))  # 164 tokens: 11 blocks
     before = worker_stats(gw)[decode]
-    scraped = _scrape(METRICS_PORTS["decode-0"]).get('splitserve_prefix_cache_hit_tokens_total{role="decode"}', 0.0)
+    hits = 'splitserve_prefix_cache_hit_tokens_total{model="target",role="decode"}'
+    scraped = _scrape(METRICS_PORTS["decode-0"]).get(hits, 0.0)
     res1 = stream(gw, make_request(first, 6))
     res2 = stream(gw, make_request(second, 6))
     assert res1.error is None and res2.error is None
@@ -328,7 +329,7 @@ def test_only_the_blocks_the_decode_worker_lacks_travel(cluster: Cluster) -> Non
     after = worker_stats(gw)[decode]
     assert after.num_cached_prompt_tokens - before.num_cached_prompt_tokens == 64
     assert after.num_received_prompt_tokens - before.num_received_prompt_tokens == 164 + 100
-    assert _scrape(METRICS_PORTS["decode-0"])['splitserve_prefix_cache_hit_tokens_total{role="decode"}'] - scraped == 64
+    assert _scrape(METRICS_PORTS["decode-0"])[hits] - scraped == 64
     engine = Engine(EngineConfig(model=MODEL, num_threads=1))
     expected = engine.generate([first, second], SamplingParams(temperature=0.0, max_tokens=6))
     assert [res1.token_ids, res2.token_ids] == [o.token_ids for o in expected]

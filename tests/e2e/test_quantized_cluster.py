@@ -11,7 +11,7 @@ import pytest
 from engine import Engine, EngineConfig, SamplingParams
 from splitserve.cluster import Cluster
 from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.e2e.cluster_util import MODEL, code_prompts, greedy_requests, stream_many
+from tests.e2e.cluster_util import MODEL, code_prompts, greedy_requests, stream_many, worker_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_quant")]
 
@@ -36,6 +36,8 @@ def test_quantized_workers_report_settings_and_match_the_in_process_engine(
         assert len(info.workers) == 2
         assert all(w.quantization == "int8" and w.kv_layout.dtype == "int8" for w in info.workers)
         results = stream_many(gateway, greedy_requests(prompts, MAX_TOKENS))
+        # Every prompt's pages were shipped (int8 rows with their scales), none prefilled locally.
+        received = worker_stats(gateway)[cluster.addresses["decode-0"]].num_received_prompt_tokens
     assert [r.error for r in results] == [None] * len(prompts)
     assert [r.token_ids for r in results] == expected
-    assert all(r.timings is not None and r.timings.transfer_bytes > 0 for r in results)  # pages were shipped
+    assert received == sum(len(p) for p in prompts)

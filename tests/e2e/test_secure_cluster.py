@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import re
 import secrets
 import signal
 import socket
@@ -23,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine, EngineConfig, SamplingParams
 from plumbing.convert import kv_layout_to_proto
@@ -131,11 +131,12 @@ def test_greedy_parity_through_tls_and_mtls(cluster: Cluster, reference) -> None
 
 
 def _metric(name: str, labels: dict[str, str]) -> float:
+    """The sample ``name`` whose labels include ``labels`` (every sample also names the model)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).read().decode()
-    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith(name + "{") and re.sub(r"^[^{]*\{|\}.*$", "", line) == wanted:
-            return float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
     return 0.0
 
 

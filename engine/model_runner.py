@@ -18,6 +18,7 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from kernels import ops
+from kernels.kv_cache import new_kv_cache
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -119,15 +120,15 @@ class ModelRunner:
         self.num_kv_blocks = config.resolve_num_kv_blocks(
             self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
         )
-        self.kv_cache = torch.zeros(
+        # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]; head-major storage on CPU
+        self.kv_cache = new_kv_cache(
             self.spec.num_layers,
-            2,
             self.num_kv_blocks,
             self.block_size,
             self.spec.num_kv_heads,
             self.spec.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+            self.dtype,
+            self.device,
         )
         self.sampler = Sampler()
         self.spec_stats = SpecDecodeStats()

@@ -20,6 +20,7 @@ from engine.request import Request
 from engine.sampler import SamplingMetadata, compute_probs, random_sample
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
+from kernels.kv_cache import new_kv_cache
 
 
 class Proposer(ABC):
@@ -78,9 +79,9 @@ class DraftModelProposer(Proposer):
         self.device = target.device
         self.block_size = target.block_size
         self.model = LlamaModel(spec, hf_config, weights, target.max_model_len, target.device)
-        self.kv_cache = torch.zeros(
-            spec.num_layers, 2, target.num_kv_blocks, target.block_size, spec.num_kv_heads,
-            spec.head_dim, dtype=target.dtype, device=target.device,
+        self.kv_cache = new_kv_cache(
+            spec.num_layers, target.num_kv_blocks, target.block_size, spec.num_kv_heads,
+            spec.head_dim, target.dtype, target.device,
         )
 
     @torch.inference_mode()

@@ -29,16 +29,13 @@
 #include <ATen/ops/empty.h>
 
 #include "attention_plan.h"
+#include "attention_scores.h"
 #include "paged_attention_args.h"
 
 namespace splitserve {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int kVec = Vec::size();
-constexpr int kChunk = 16;  // keys per online-softmax step
-static_assert(kChunk % kVec == 0, "a key chunk must be whole vectors");
-constexpr int kChunkVecs = kChunk / kVec;
+constexpr int kDirectMaxRows = 4;  // tiles with up to this many rows score keys directly
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename scalar_t>
@@ -71,62 +68,18 @@ Scratch& thread_scratch(const PagedGeometry& g) {
   return scratch;
 }
 
-// kt[d * kChunk + t] = k[t * slot_stride + d] for t < n, 0 for n <= t < kChunk.
-template <typename scalar_t>
-void transpose_keys(const scalar_t* k, int64_t slot_stride, int n, int D, float* kt) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (n == kChunk && D % 16 == 0) {
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        at::vec::transpose_mxn<float, 16, 16>(k + d0, slot_stride, kt + d0 * kChunk, kChunk);
-      }
-      return;
-    }
-  }
-  for (int t = 0; t < kChunk; ++t) {
-    const scalar_t* row = k + t * slot_stride;
-    for (int d = 0; d < D; ++d) {
-      kt[d * kChunk + t] = t < n ? static_cast<float>(row[d]) : 0.0f;
-    }
-  }
-}
-
-// s[t] = q . k_t for the kChunk keys of kt (q already scaled).
-template <int kD>
-inline void row_scores(const float* q, const float* kt, int head_dim, float* s) {
-  const int D = kD > 0 ? kD : head_dim;
-  Vec acc0[kChunkVecs], acc1[kChunkVecs];  // two chains per vector: FMA latency
-  for (int j = 0; j < kChunkVecs; ++j) {
-    acc0[j] = Vec(0.0f);
-    acc1[j] = Vec(0.0f);
-  }
-  int d = 0;
-  for (; d + 1 < D; d += 2) {
-    const Vec q0(q[d]), q1(q[d + 1]);
-    for (int j = 0; j < kChunkVecs; ++j) {
-      acc0[j] = at::vec::fmadd(q0, Vec::loadu(kt + d * kChunk + j * kVec), acc0[j]);
-      acc1[j] = at::vec::fmadd(q1, Vec::loadu(kt + (d + 1) * kChunk + j * kVec), acc1[j]);
-    }
-  }
-  if (d < D) {
-    const Vec q0(q[d]);
-    for (int j = 0; j < kChunkVecs; ++j) {
-      acc0[j] = at::vec::fmadd(q0, Vec::loadu(kt + d * kChunk + j * kVec), acc0[j]);
-    }
-  }
-  for (int j = 0; j < kChunkVecs; ++j) {
-    (acc0[j] + acc1[j]).store(s + j * kVec);
-  }
-}
-
 // Online softmax over the first `nv` scores of s (the keys this row sees): turns s into
 // p = exp(s - new max) (0 past nv), updates the running max m and sum l, and returns the
 // factor exp(old max - new max) that rescales the row's accumulator.
 inline float row_softmax(float* s, int nv, float& m, float& l) {
-  float new_max = m;
-  for (int t = 0; t < nv; ++t) {
-    new_max = std::max(new_max, s[t]);
+  Vec chunk_max(kNegInf);
+  for (int j = 0; j < kChunkVecs; ++j) {
+    const int visible = std::clamp(nv - j * kVec, 0, kVec);
+    chunk_max = at::vec::maximum(chunk_max, Vec::set(Vec(kNegInf), Vec::loadu(s + j * kVec), visible));
   }
-  const float alpha = std::exp(m - new_max);  // 0 while m is -inf
+  const float new_max = std::max(m, at::vec::vec_reduce_all<float>(
+      [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, chunk_max));
+  const float alpha = new_max == m ? 1.0f : std::exp(m - new_max);  // 0 while m is -inf
   const Vec vmax(new_max);
   Vec sum(0.0f);
   for (int j = 0; j < kChunkVecs; ++j) {
@@ -196,12 +149,25 @@ const float* value_rows(const scalar_t* v, int64_t slot_stride, int n, int D, Sc
   }
 }
 
+// Ask for the n rows (row_bytes each, slot_stride elements apart) of the next chunk: its page
+// is elsewhere in memory, so the hardware prefetcher cannot see it coming.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* p, int64_t slot_stride, int n, int64_t row_bytes) {
+  for (int t = 0; t < n; ++t) {
+    const char* row = reinterpret_cast<const char*>(p + t * slot_stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
+}
+
 template <typename scalar_t, int kD>
 void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
   const auto& g = c.g;
   const int D = static_cast<int>(g.head_dim);
   const int rows = w.num_tokens * static_cast<int>(g.group);
   const int64_t* pages = c.block_tables + w.seq * g.bt_seq;
+  // Few rows (decode): score keys straight from the cache; many: transpose each chunk once.
+  constexpr bool kDirect = kHasDirectScores && std::is_same_v<scalar_t, float> && kD > 0;
+  const bool direct = kDirect && rows <= kDirectMaxRows;
   for (int pos = w.key_begin; pos < w.key_end;) {
     const int64_t offset = pos % g.block_size;
     const int n = static_cast<int>(
@@ -209,14 +175,30 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
     const int64_t page = pages[pos / g.block_size];
     const scalar_t* kp = c.k + page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head;
     const scalar_t* vp = c.v + page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head;
-    transpose_keys(kp, g.k_slot, n, D, sc.kt.data());
+    if (pos + n < w.key_end) {
+      const int64_t next = pos + n;
+      const int n_next = static_cast<int>(std::min<int64_t>({kChunk, g.block_size - next % g.block_size, static_cast<int64_t>(w.key_end - next)}));
+      const int64_t next_page = pages[next / g.block_size];
+      const int64_t next_off = next % g.block_size;
+      prefetch_rows(c.k + next_page * g.k_block + next_off * g.k_slot + w.kv_head * g.k_head, g.k_slot, n_next, D * sizeof(scalar_t));
+      prefetch_rows(c.v + next_page * g.v_block + next_off * g.v_slot + w.kv_head * g.v_head, g.v_slot, n_next, D * sizeof(scalar_t));
+    }
+    if (!direct) transpose_keys(kp, g.k_slot, n, D, sc.kt.data());
     int64_t v_stride = 0;
     const float* vf = value_rows(vp, g.v_slot, n, D, sc, v_stride);
     for (int r = 0; r < rows; ++r) {
       // Row r is token r / group, at position pos_begin + r / group: it sees keys up to it.
       const int nv = std::min(n, w.pos_begin + r / static_cast<int>(g.group) - pos + 1);
       if (nv <= 0) continue;
-      row_scores<kD>(sc.q.data() + r * D, sc.kt.data(), D, sc.s);
+      if constexpr (kDirect) {
+        if (direct) {
+          scores_direct<kD>(sc.q.data() + r * D, reinterpret_cast<const float*>(kp), g.k_slot, n, sc.s);
+        } else {
+          scores_transposed<kD>(sc.q.data() + r * D, sc.kt.data(), D, sc.s);
+        }
+      } else {
+        scores_transposed<kD>(sc.q.data() + r * D, sc.kt.data(), D, sc.s);
+      }
       const float alpha = row_softmax(sc.s, nv, sc.m[r], sc.l[r]);
       row_accumulate<kD>(sc.s, nv, vf, v_stride, alpha, sc.acc.data() + r * D, D);
     }

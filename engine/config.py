@@ -16,7 +16,11 @@ class EngineConfig:
 
     The KV pool is sized by ``num_kv_blocks`` when given, else by ``kv_cache_bytes``
     (default 512 MiB). ``max_model_len`` defaults to the checkpoint's
-    ``max_position_embeddings``.
+    ``max_position_embeddings``. ``num_threads`` is the torch intra-op thread count the
+    engine sets when it starts; None means every CPU the process may run on (its affinity
+    mask, ``engine.cpu_tuning.default_num_threads``), so no ``OMP_NUM_THREADS`` is needed.
+    On cores shared with other busy processes fewer threads can be faster (every OpenMP
+    region waits for its slowest thread; see docs/architecture.md).
     """
 
     model: str
@@ -29,7 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    num_threads: int | None = None  # torch intra-op threads; None: the CPUs this process may use
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:

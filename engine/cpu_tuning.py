@@ -1,9 +1,10 @@
-"""Process-level CPU settings for an engine process (glibc malloc tuning)."""
+"""Process-level CPU settings for an engine process: intra-op threads, glibc malloc."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -29,3 +30,18 @@ def tune_glibc_malloc() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(
         mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
     )
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (what ``taskset``, cgroup cpusets
+    and container CPU pinning leave it), else ``os.cpu_count()``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
+def default_num_threads() -> int:
+    """Intra-op threads of an engine whose ``EngineConfig.num_threads`` is None: every CPU
+    it may use, so a process does not need ``OMP_NUM_THREADS`` exported to use its cores."""
+    return available_cpus()

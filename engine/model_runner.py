@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_tuning import tune_glibc_malloc
+from engine import cpu_tuning
 from engine.kv_layout import KVLayout
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import ModelSpec, load_hf_config, load_weights, model_spec_from_config
@@ -104,10 +104,11 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        # Intra-op threads are the engine's: the config's, else every CPU this process may use.
+        self.num_threads = config.num_threads or cpu_tuning.default_num_threads()
+        torch.set_num_threads(self.num_threads)
         if config.device == "cpu":
-            tune_glibc_malloc()
+            cpu_tuning.tune_glibc_malloc()
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]

@@ -23,10 +23,12 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 NATIVE_SOURCES = [
     "kernels/csrc/attention_plan.cpp",
+    "kernels/csrc/elementwise.cpp",
     "kernels/csrc/paged_attention.cpp",
     "kernels/csrc/paged_attention_args.cpp",
     "kernels/csrc/write_kv.cpp",
     "kernels/csrc/register.cpp",
+    "kernels/csrc/threads.cpp",
 ]
 # Per variant: the defines ATen's vector headers select on, and the instruction sets.
 NATIVE_VARIANTS = {
@@ -60,7 +62,9 @@ def native_extensions() -> list:
         CppExtension(
             f"kernels._native_{name}",
             NATIVE_SOURCES,
-            extra_compile_args=["-O3", "-DNDEBUG", "-fopenmp", *NATIVE_VARIANTS[name]],
+            # No FMA contraction: the elementwise ops round as their torch references do.
+            extra_compile_args=["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off",
+                                *NATIVE_VARIANTS[name]],
             extra_link_args=["-fopenmp"],
         )
         for name in names

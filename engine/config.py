@@ -19,8 +19,11 @@ class EngineConfig:
     ``max_position_embeddings``. ``num_threads`` is the torch intra-op thread count the
     engine sets when it starts; None means every CPU the process may run on (its affinity
     mask, ``engine.cpu_tuning.default_num_threads``), so no ``OMP_NUM_THREADS`` is needed.
-    On cores shared with other busy processes fewer threads can be faster (every OpenMP
-    region waits for its slowest thread; see docs/architecture.md).
+    With ``bind_threads`` (default) and more than one thread, the thread that steps the
+    engine pins its intra-op threads one per CPU of the mask on its first step, as vLLM's
+    CPU worker does (``engine.cpu_tuning.bind_intra_op_threads``); threads that thread
+    starts afterwards inherit its CPU. On cores shared with other busy processes fewer
+    threads can still be faster: every OpenMP region waits for its slowest thread.
     """
 
     model: str
@@ -34,6 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: the CPUs this process may use
+    bind_threads: bool = True  # pin each intra-op thread to one CPU (engine.cpu_tuning)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +108,10 @@ class ModelRunner:
         # Intra-op threads are the engine's: the config's, else every CPU this process may use.
         self.num_threads = config.num_threads or cpu_tuning.default_num_threads()
         torch.set_num_threads(self.num_threads)
+        # Pinned on the first step, by the thread that steps (a service's engine thread):
+        # OpenMP teams belong to the thread that starts them.
+        self.thread_cpus: list[int] | None = None
+        self._stepping_thread: int | None = None
         if config.device == "cpu":
             cpu_tuning.tune_glibc_malloc()
         self.config = config
@@ -133,6 +138,13 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.spec_stats = SpecDecodeStats()
+
+    def _own_intra_op_threads(self) -> None:
+        """On the stepping thread: the configured thread count, pinned one per CPU if asked."""
+        self._stepping_thread = threading.get_ident()
+        torch.set_num_threads(self.num_threads)
+        if self.config.bind_threads and self.config.device == "cpu":
+            self.thread_cpus = cpu_tuning.bind_intra_op_threads(self.num_threads)
 
     # -- KV pages (transfer between workers) ---------------------------------------------
     @property
@@ -188,6 +200,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepResult:
         """Run one step: sample one token for each request that reached its end, and
         verify the drafts of speculating requests."""
+        if self._stepping_thread != threading.get_ident():
+            self._own_intra_op_threads()
         batch, plain, verifying = self.prepare_batch(out, block_ids)
         logits = self.model.forward(batch, self.kv_cache)
         result = StepResult()

@@ -4,8 +4,9 @@
 (``kernels._native_avx512`` / ``_native_avx2`` on x86-64, ``_native_default`` elsewhere).
 :func:`native_kernels` loads the best one this CPU runs, as ATen reports it
 (``torch.backends.cpu.get_cpu_capability()``), which registers the operators
-``torch.ops.splitserve.paged_attention`` and ``torch.ops.splitserve.write_kv``; their fake
-implementations are registered here so ``torch.compile`` can trace through them.
+``torch.ops.splitserve.paged_attention``, ``write_kv`` and the fused elementwise ops
+(``rms_norm``, ``add_rms_norm_``, ``rotary_``, ``silu_mul``); their fake implementations
+are registered here so ``torch.compile`` can trace through them.
 
 Where no library was built (no compiler at install, an install with
 ``SPLITSERVE_SKIP_NATIVE=1``) or none loads (torch upgraded under it), one warning is
@@ -93,6 +94,22 @@ def _register_fakes() -> None:
     def _write_kv_fake(key, value, k_cache, v_cache, slot_mapping):
         return None
 
+    @torch.library.register_fake("splitserve::rms_norm")
+    def _rms_norm_fake(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("splitserve::add_rms_norm_")
+    def _add_rms_norm_fake(x, residual, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("splitserve::rotary_")
+    def _rotary_fake(qk, cos, sin):
+        return None
+
+    @torch.library.register_fake("splitserve::silu_mul")
+    def _silu_mul_fake(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
 
 def paged_attention_native(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -118,3 +135,14 @@ def write_kv_native(
 ) -> None:
     """The native slot write; same contract as :func:`kernels.kv_write.write_kv_ref`."""
     torch.ops.splitserve.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def bind_threads(cpus: list[int]) -> list[int]:
+    """Set torch's intra-op threads to ``len(cpus)`` and pin thread i to ``cpus[i]`` (the
+    calling thread is thread 0); returns the CPU each thread was pinned to (-1: refused)."""
+    return list(torch.ops.splitserve.bind_threads(cpus))
+
+
+def thread_cpus() -> list[int]:
+    """Per intra-op thread, the one CPU it is pinned to, or -2 where it may run on several."""
+    return list(torch.ops.splitserve.thread_cpus())

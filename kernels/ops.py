@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import elementwise
 from kernels._triton_compat import HAS_TRITON
 from kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
 from kernels.kv_write import write_kv_ref, write_kv_triton
@@ -83,4 +84,65 @@ def unpack_kv(
     impl(kv_cache, buffer, block_ids)
 
 
-__all__ = ["pack_kv", "paged_attention", "unpack_kv", "use_native", "use_triton", "write_kv"]
+# -- the elementwise parts of a layer (kernels/elementwise.py, kernels/csrc/elementwise.cpp) --
+
+
+def _native_rows(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.stride(1) == 1 and use_native(x.device)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [..., hidden]
+    """RMSNorm as transformers computes it (statistics in float32)."""
+    if _native_rows(x) and weight.dtype == x.dtype and weight.is_contiguous():
+        return torch.ops.splitserve.rms_norm(x, weight, eps)
+    return elementwise.rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm_(
+    x: torch.Tensor,  # [rows, hidden], x += residual in place
+    residual: torch.Tensor,  # [rows, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # rms_norm(x + residual)
+    """A layer's residual add and the next RMSNorm in one pass."""
+    if _native_rows(x) and weight.dtype == x.dtype == residual.dtype and weight.is_contiguous():
+        return torch.ops.splitserve.add_rms_norm_(x, residual, weight, eps)
+    return elementwise.add_rms_norm_ref(x, residual, weight, eps)
+
+
+def rotary_(
+    qk: torch.Tensor,  # [tokens, heads, head_dim], rotated in place
+    cos: torch.Tensor,  # [tokens, 1, head_dim]
+    signed_sin: torch.Tensor,  # [tokens, 1, head_dim]
+) -> None:
+    """Rotate-half RoPE in place (see :func:`kernels.elementwise.rotary_ref`)."""
+    native = qk.dtype == cos.dtype == signed_sin.dtype == torch.float32 and qk.stride(2) == 1
+    if native and cos.is_contiguous() and signed_sin.is_contiguous() and use_native(qk.device):
+        torch.ops.splitserve.rotary_(qk, cos, signed_sin)
+    else:
+        elementwise.rotary_ref(qk, cos, signed_sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2 * inter] -> [rows, inter]
+    """``silu(gate) * up`` of a fused gate/up projection."""
+    if gate_up.dtype == torch.float32 and _native_rows(gate_up):
+        return torch.ops.splitserve.silu_mul(gate_up)
+    return elementwise.silu_mul_ref(gate_up)
+
+
+__all__ = [
+    "add_rms_norm_",
+    "pack_kv",
+    "paged_attention",
+    "rms_norm",
+    "rotary_",
+    "silu_mul",
+    "unpack_kv",
+    "use_native",
+    "use_triton",
+    "write_kv",
+]

@@ -6,7 +6,9 @@ written into their slots first, then attention reads every sequence's context th
 its block table, so a chunk attends to pages computed in earlier steps.
 
 The arithmetic mirrors ``transformers`` (float32 RMSNorm, cos/sin built in float32 then
-cast, the same rotate-half RoPE), so greedy outputs match ``generate`` token for token.
+cast, the same rotate-half RoPE; kernels/elementwise.py), so greedy outputs match
+``generate`` token for token. On CPU the elementwise parts run as fused native ops
+(kernels/csrc/elementwise.cpp) and the residual stream is updated in place.
 """
 
 from __future__ import annotations
@@ -46,24 +48,6 @@ class _Layer:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear  # intermediate -> hidden
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as ``transformers`` does."""
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
-
-    ``signed_sin = [-sin1, sin2]`` carries the sign, so the rotation is a roll by half the
-    head: ``x2 * -sin1`` is exactly ``-x2 * sin1`` in IEEE arithmetic, so the values are
-    transformers' bit for bit, with two kernels fewer per call.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaModel:
@@ -197,7 +181,7 @@ class LlamaModel:
         return self._logits(x[-1:])[0]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
+        x = ops.rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
         return self.lm_head(x).float()
 
     def _layer(
@@ -206,14 +190,14 @@ class LlamaModel:
         layer: _Layer,
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,  # [T, 1, head_dim], signed (see apply_rope)
+        sin: torch.Tensor,  # [T, 1, head_dim], signed (see kernels.elementwise.rotary_ref)
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """One decoder layer; ``attend(i, q, k, v)`` stores the new K/V of layer i and
         returns the attention output ``[T, num_heads, head_dim]``."""
         spec = self.spec
         num_tokens = x.shape[0]
-        h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+        h = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps)
         qkv = layer.qkv(h)
         num_qk_heads = spec.num_heads + spec.num_kv_heads
         qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, num_qk_heads, spec.head_dim)
@@ -221,14 +205,16 @@ class LlamaModel:
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
             qk = torch.cat(
-                [rms_norm(q, layer.q_norm, spec.rms_norm_eps), rms_norm(k, layer.k_norm, spec.rms_norm_eps)],
+                [
+                    ops.rms_norm(q, layer.q_norm, spec.rms_norm_eps),
+                    ops.rms_norm(k, layer.k_norm, spec.rms_norm_eps),
+                ],
                 dim=1,
             )
-        # RoPE on q and k at once: elementwise, so the same values as rotating each apart.
-        qk = apply_rope(qk, cos, sin)
+        # RoPE on q and k at once, in place: elementwise, so the values of rotating each apart.
+        ops.rotary_(qk, cos, sin)
         q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
         attn = attend(i, q, k, v)
-        x = x + layer.o(attn.reshape(num_tokens, spec.q_size))
-        h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        # The residual stream x is this forward's own tensor: updated in place.
+        h = ops.add_rms_norm_(x, layer.o(attn.reshape(num_tokens, spec.q_size)), layer.post_norm, spec.rms_norm_eps)
+        return x.add_(layer.down(ops.silu_mul(layer.gate_up(h))))

@@ -13,7 +13,7 @@ from engine.kv_layout import KVLayout
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import ModelSpec, load_hf_config, load_weights, model_spec_from_config
 from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_probs
+from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_probs, greedy_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.metrics import SpecDecodeStats
@@ -237,7 +237,7 @@ class ModelRunner:
     def _verify_greedy(items: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
         """All rows greedy without penalties: the target token at every row is the argmax of
         the raw logits, so one argmax and one host copy serve the whole step."""
-        target_ids = logits.argmax(dim=1).tolist()  # [sum(k + 1)]
+        target_ids = greedy_tokens(logits).tolist()  # [sum(k + 1)]
         outputs, row = [], 0
         for item in items:
             k = len(item.spec_token_ids)

@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner, SeqSlice, make_forward_batch
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_hf_config, load_weights, model_spec_from_config
 from engine.request import Request
-from engine.sampler import SamplingMetadata, compute_probs, random_sample
+from engine.sampler import SamplingMetadata, compute_probs, greedy_tokens, random_sample
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
 from kernels.kv_cache import new_kv_cache
@@ -109,7 +109,7 @@ class DraftModelProposer(Proposer):
                     drafts[-1:], request.num_tokens - 1 + j, block_ids, self.kv_cache
                 )
             if metadata is None:
-                drafts.append(int(logits.argmax()))
+                drafts.append(int(greedy_tokens(logits)))
             else:
                 row_probs = compute_probs(logits.unsqueeze(0), metadata)  # [1, vocab]
                 drafts.append(int(random_sample(row_probs, metadata.generators)[0]))

@@ -28,9 +28,8 @@ int64_t tile_tokens(const PlanInputs& in) {
   return std::max<int64_t>(1, kMaxRows / in.group);
 }
 
-// Largest cost one item should have: a share of the whole call that leaves every thread
-// several items, so dynamic scheduling can balance them.
-int64_t max_item_cost(const PlanInputs& in) {
+// (query row x key) pairs of the whole call, over every KV head.
+int64_t total_cost(const PlanInputs& in) {
   int64_t total = 0;
   const int64_t step = tile_tokens(in);
   for (int64_t s = 0; s < in.num_seqs; ++s) {
@@ -41,9 +40,11 @@ int64_t max_item_cost(const PlanInputs& in) {
       total += n * in.group * (prefix + t0 + n);
     }
   }
-  return std::max<int64_t>(1, total * in.num_kv_heads / (in.num_threads * kItemsPerThread));
+  return total * in.num_kv_heads;
 }
 
+// target: the largest cost one item should have, a share of the whole call that leaves
+// every thread several items, so dynamic scheduling can balance them.
 void add_tile(const PlanInputs& in, int64_t s, int64_t t0, int64_t n, int64_t target,
               AttentionPlan& plan) {
   const int64_t q_len = in.query_start_loc[s + 1] - in.query_start_loc[s];
@@ -51,7 +52,7 @@ void add_tile(const PlanInputs& in, int64_t s, int64_t t0, int64_t n, int64_t ta
   const int64_t key_end = pos_begin + n;  // the tile's last token sees keys 0 .. pos_begin + n - 1
   const int64_t rows = n * in.group;
   int64_t num_splits = 1;
-  if (in.num_threads > 1 && rows * key_end > target) {
+  if (plan.num_threads > 1 && rows * key_end > target) {
     num_splits = std::min((rows * key_end + target - 1) / target, key_end / kMinSplitKeys);
     num_splits = std::max<int64_t>(num_splits, 1);
   }
@@ -89,7 +90,9 @@ AttentionPlan make_attention_plan(const PlanInputs& in) {
     check_sequence(in, s);
   }
   AttentionPlan plan;
-  const int64_t target = max_item_cost(in);
+  const int64_t total = total_cost(in);
+  plan.num_threads = total < kMinParallelCost ? 1 : in.num_threads;
+  const int64_t target = std::max<int64_t>(1, total / (plan.num_threads * kItemsPerThread));
   const int64_t step = tile_tokens(in);
   for (int64_t s = 0; s < in.num_seqs; ++s) {
     const int64_t q_len = in.query_start_loc[s + 1] - in.query_start_loc[s];

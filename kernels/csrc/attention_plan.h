@@ -16,6 +16,9 @@ namespace splitserve {
 constexpr int kMaxRows = 32;        // query rows per work item
 constexpr int kMinSplitKeys = 128;  // never split a tile's keys into ranges shorter than this
 constexpr int kItemsPerThread = 4;  // a split aims at this many items per thread in all
+// Below this many (query row x key) pairs in all, one thread runs the call: forking the
+// team costs more than the work (a batch-1 decode step's attention is a few microseconds).
+constexpr int64_t kMinParallelCost = 32768;
 
 struct WorkItem {
   int32_t seq;
@@ -41,6 +44,7 @@ struct AttentionPlan {
   std::vector<WorkItem> items;  // sorted by cost, largest first
   std::vector<SplitTile> splits;
   int64_t num_partials = 0;
+  int64_t num_threads = 1;  // threads to run the items on
 };
 
 struct PlanInputs {

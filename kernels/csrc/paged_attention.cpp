@@ -260,10 +260,10 @@ void combine_split(const Call<scalar_t>& c, const SplitTile& t, const Partials& 
   }
 }
 
-// Runs fn(i) for i in [0, n) on the intra-op threads, each thread taking the next index.
+// Runs fn(i) for i in [0, n) on up to max_threads intra-op threads, each taking the next index.
 template <typename F>
-void parallel_dynamic(int64_t n, const F& fn) {
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), n);
+void parallel_dynamic(int64_t n, int64_t max_threads, const F& fn) {
+  const int64_t num_threads = std::min<int64_t>(max_threads, n);
   std::atomic<int64_t> next{0};
   auto worker = [&](int64_t, int64_t) {
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
@@ -285,10 +285,10 @@ void run_plan(const Call<scalar_t>& c, const AttentionPlan& plan) {
     part = {partial_buf.data_ptr<float>(), partial_buf.data_ptr<float>() + rows,
             partial_buf.data_ptr<float>() + 2 * rows};
   }
-  parallel_dynamic(static_cast<int64_t>(plan.items.size()), [&](int64_t i) {
+  parallel_dynamic(static_cast<int64_t>(plan.items.size()), plan.num_threads, [&](int64_t i) {
     run_item<scalar_t, kD>(c, plan.items[i], thread_scratch(c.g), part);
   });
-  parallel_dynamic(static_cast<int64_t>(plan.splits.size()),
+  parallel_dynamic(static_cast<int64_t>(plan.splits.size()), plan.num_threads,
                    [&](int64_t i) { combine_split(c, plan.splits[i], part); });
 }
 

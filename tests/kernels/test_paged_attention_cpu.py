@@ -75,9 +75,10 @@ def boundary_contexts(block_size: int, max_len: int) -> list[int]:
     return sorted(n for n in edges if 1 <= n <= max_len)
 
 
-# With one thread every tile is one work item; with 4 threads and 4 sequences per call
-# each tile's share exceeds a quarter of a thread's, so every context of 256 keys or more
-# is split into key ranges that the combine pass merges.
+# With one thread every tile is one work item; with 4 threads and 4 sequences per call each
+# tile's share exceeds a quarter of a thread's, so once a call is big enough to run on
+# several threads (contexts from ~2700 keys here, attention_plan.h) its tiles are split
+# into key ranges that the combine pass merges.
 SPLIT_CASES = [(1, 64), (4, 4)]  # (threads, sequences per call)
 
 

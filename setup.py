@@ -63,7 +63,7 @@ def native_extensions() -> list:
             f"kernels._native_{name}",
             NATIVE_SOURCES,
             # No FMA contraction: the elementwise ops round as their torch references do.
-            extra_compile_args=["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off",
+            extra_compile_args=["-O3", "-g0", "-DNDEBUG", "-fopenmp", "-ffp-contract=off",
                                 *NATIVE_VARIANTS[name]],
             extra_link_args=["-fopenmp"],
         )

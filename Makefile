@@ -9,12 +9,16 @@ PORT   ?= 50051
 
 .PHONY: setup run test bench report wheel-check vllm-venv clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto)
+$(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto) $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first, so the range in pyproject.toml resolves to it.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# No build isolation: the native kernels (kernels/csrc) build against this venv's torch,
+	# so the build requirements of pyproject.toml are installed here first. A wheel builds
+	# the same way: pip wheel . --no-build-isolation
+	$(PY) -m pip install -q 'setuptools>=68' wheel 'grpcio-tools>=1.60'
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
 	# Regenerate the protobuf modules with this venv's grpcio-tools (matches its protobuf).
 	$(PY) -m splitserve.protogen
 	touch $(STAMP)
@@ -61,4 +65,4 @@ vllm-venv:
 	.venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kernels/_native_*.so

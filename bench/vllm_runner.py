@@ -9,6 +9,11 @@ random-weight model has none. Decoding is greedy with EOS ignored, as for every 
 After an untimed warm-up on two short prompts, only ``LLM.generate`` over all prompts is
 timed. The result JSON holds the seconds, the output token ids in prompt order, and the
 versions; on failure it holds ``error`` and the script exits 1.
+
+With ``--latency-prompt-len N`` it then measures batch-1 decode latency (``bench.hot_path``):
+a request of the first prompt repeated to N tokens, the time of a ``1 + output_len``-token
+generation less a 1-token one, over ``output_len``, median of ``--latency-reps``; the same
+method ``bench.hot_path`` applies to our engine.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -34,7 +40,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--latency-prompt-len", type=int, default=0, help="0: no latency run")
+    parser.add_argument("--latency-reps", type=int, default=3)
     return parser.parse_args(argv)
+
+
+def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start, outputs
+
+
+def batch1_latency(llm, prompt: list[int], output_len: int, reps: int) -> dict:
+    """ms per decoded token of one request: (time of 1 + output_len tokens - time of 1) / output_len."""
+    per_token = []
+    for _ in range(reps):
+        one, _ = timed_generate(llm, [prompt], 1)
+        full, _ = timed_generate(llm, [prompt], 1 + output_len)
+        per_token.append((full - one) / output_len)
+    return {"decode_ms_per_token": 1e3 * statistics.median(per_token),
+            "decode_ms_per_token_reps": [1e3 * t for t in per_token]}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -43,28 +72,29 @@ def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     prompts = json.loads(open(args.prompts).read())
-    max_model_len = args.max_model_len or max(len(p) for p in prompts) + args.output_len
+    need = max(max(len(p) for p in prompts) + args.output_len, args.latency_prompt_len + args.output_len + 1)
+    max_model_len = args.max_model_len or need
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", seed=0,
               max_model_len=max_model_len, max_num_seqs=len(prompts),
               max_num_batched_tokens=max(args.max_num_batched_tokens, max_model_len))
-    warmup = SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True, detokenize=False)
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in WARMUP_PROMPTS], warmup, use_tqdm=False)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    timed_generate(llm, WARMUP_PROMPTS, WARMUP_OUTPUT_LEN)
+    seconds, outputs = timed_generate(llm, prompts, args.output_len)
     output_ids = [list(out.outputs[0].token_ids) for out in outputs]
+    latency = {}
+    if args.latency_prompt_len > 0:
+        latency["load_after_throughput"] = os.getloadavg()[0]
+        prompt = (prompts[0] * args.latency_prompt_len)[: args.latency_prompt_len]
+        latency |= batch1_latency(llm, prompt, args.output_len, args.latency_reps)
     return {"seconds": seconds, "output_ids": output_ids,
-            "num_output_tokens": sum(len(ids) for ids in output_ids),
+            "num_output_tokens": sum(len(ids) for ids in output_ids), **latency,
             "vllm_version": vllm.__version__, "torch_version": torch.__version__,
             "torch_num_threads": torch.get_num_threads(),
             "settings": {"max_model_len": max_model_len, "max_num_seqs": len(prompts),
-                         "kv_cache_gib": args.kv_cache_gib, "threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}}
+                         "kv_cache_gib": args.kv_cache_gib, "threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+                         "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,14 @@ class EngineConfig:
 
     The KV pool is sized by ``num_kv_blocks`` when given, else by ``kv_cache_bytes``
     (default 512 MiB). ``max_model_len`` defaults to the checkpoint's
-    ``max_position_embeddings``.
+    ``max_position_embeddings``. ``num_threads`` is the torch intra-op thread count the
+    engine sets when it starts; None means every CPU the process may run on (its affinity
+    mask, ``engine.cpu_tuning.default_num_threads``), so no ``OMP_NUM_THREADS`` is needed.
+    With ``bind_threads`` (default) and more than one thread, the thread that steps the
+    engine pins its intra-op threads one per CPU of the mask on its first step, as vLLM's
+    CPU worker does (``engine.cpu_tuning.bind_intra_op_threads``); threads that thread
+    starts afterwards inherit its CPU. On cores shared with other busy processes fewer
+    threads can still be faster: every OpenMP region waits for its slowest thread.
 
     Quantization: ``quantization`` ``"int8"`` / ``"int4"`` quantizes the weights at load
     (engine/quant/linear.py; int4 in groups of ``quant_group_size`` input features);
@@ -38,7 +45,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    num_threads: int | None = None  # torch intra-op threads; None: the CPUs this process may use
+    bind_threads: bool = True  # pin each intra-op thread to one CPU (engine.cpu_tuning)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # Incremental text in outputs (RequestOutput.new_text). The serving workers turn it off:
     # only the gateway needs text, and it detokenizes there.

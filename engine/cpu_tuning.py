@@ -1,9 +1,10 @@
-"""Process-level CPU settings for an engine process (glibc malloc tuning)."""
+"""Process-level CPU settings for an engine process: intra-op threads, glibc malloc."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -29,3 +30,37 @@ def tune_glibc_malloc() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(
         mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
     )
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (what ``taskset``, cgroup cpusets
+    and container CPU pinning leave it), else ``os.cpu_count()``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
+def default_num_threads() -> int:
+    """Intra-op threads of an engine whose ``EngineConfig.num_threads`` is None: every CPU
+    it may use, so a process does not need ``OMP_NUM_THREADS`` exported to use its cores."""
+    return available_cpus()
+
+
+def bind_intra_op_threads(num_threads: int) -> list[int] | None:
+    """Pin torch's ``num_threads`` intra-op threads one per CPU of the affinity mask, as vLLM's
+    CPU worker does; returns the CPUs, or None where nothing was pinned.
+
+    Unpinned, the scheduler can leave two threads of one OpenMP team on one core while
+    another process holds the other, and every parallel region then waits at its barrier
+    for a thread that cannot run. Pinned, each thread keeps its share of its own core. The
+    calling thread (the engine's) becomes thread 0, pinned to the first CPU, and threads it
+    starts later inherit that. One thread is left unpinned (no barrier to wait at), as is a
+    count above the CPUs, and everything where the native kernels are not built.
+    """
+    from kernels.native import bind_threads, native_kernels
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if num_threads < 2 or num_threads > len(cpus) or not native_kernels().available:
+        return None
+    return bind_threads(cpus[:num_threads])

@@ -3,24 +3,26 @@ inputs, runs the model, samples."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_tuning import tune_glibc_malloc
+from engine import cpu_tuning
 from engine.kv_layout import INT8_SCALE_BYTES, KVLayout
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import load_hf_config, load_weights
 from engine.models.spec import load_model_spec, resolve_max_model_len
 from engine.quant.linear import WeightQuant
 from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_probs
+from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_probs, greedy_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from kernels import ops
+from kernels.kv_cache import new_kv_cache
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -100,10 +102,15 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        # Intra-op threads are the engine's: the config's, else every CPU this process may use.
+        self.num_threads = config.num_threads or cpu_tuning.default_num_threads()
+        torch.set_num_threads(self.num_threads)
+        # Pinned on the first step, by the thread that steps (a service's engine thread):
+        # OpenMP teams belong to the thread that starts them.
+        self.thread_cpus: list[int] | None = None
+        self._stepping_thread: int | None = None
         if config.device == "cpu":
-            tune_glibc_malloc()
+            cpu_tuning.tune_glibc_malloc()
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]
@@ -117,18 +124,25 @@ class ModelRunner:
         self.num_kv_blocks = config.resolve_num_kv_blocks(
             self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
         )
-        self.kv_cache = torch.zeros(
+        # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]; head-major storage on CPU
+        self.kv_cache = new_kv_cache(
             self.spec.num_layers,
-            2,
             self.num_kv_blocks,
             self.block_size,
             self.spec.num_kv_heads,
             kv_row_width(config.kv_cache_dtype, self.spec.head_dim),
-            dtype=torch.int8 if config.kv_cache_dtype == "int8" else self.dtype,
-            device=self.device,
+            torch.int8 if config.kv_cache_dtype == "int8" else self.dtype,
+            self.device,
         )
         self.sampler = Sampler()
         self.spec_stats = SpecDecodeStats()
+
+    def _own_intra_op_threads(self) -> None:
+        """On the stepping thread: the configured thread count, pinned one per CPU if asked."""
+        self._stepping_thread = threading.get_ident()
+        torch.set_num_threads(self.num_threads)
+        if self.config.bind_threads and self.config.device == "cpu":
+            self.thread_cpus = cpu_tuning.bind_intra_op_threads(self.num_threads)
 
     # -- KV pages (transfer between workers) ---------------------------------------------
     @property
@@ -184,6 +198,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepResult:
         """Run one step: sample one token for each request that reached its end, and
         verify the drafts of speculating requests."""
+        if self._stepping_thread != threading.get_ident():
+            self._own_intra_op_threads()
         batch, plain, verifying = self.prepare_batch(out, block_ids)
         logits = self.model.forward(batch, self.kv_cache)
         result = StepResult()
@@ -219,7 +235,7 @@ class ModelRunner:
     def _verify_greedy(items: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
         """All rows greedy without penalties: the target token at every row is the argmax of
         the raw logits, so one argmax and one host copy serve the whole step."""
-        target_ids = logits.argmax(dim=1).tolist()  # [sum(k + 1)]
+        target_ids = greedy_tokens(logits).tolist()  # [sum(k + 1)]
         outputs, row = [], 0
         for item in items:
             k = len(item.spec_token_ids)

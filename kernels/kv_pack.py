@@ -28,13 +28,13 @@ def _as_block_ids(block_ids: torch.Tensor | Sequence[int], device: torch.device)
     return block_ids.to(device)
 
 
-def _check_kv_cache(kv_cache: torch.Tensor) -> None:
+def _check_kv_cache(kv_cache: torch.Tensor, contiguous: bool) -> None:
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError(
             f"kv_cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(kv_cache.shape)}"
         )
-    if not kv_cache.is_contiguous():
+    if contiguous and not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
 
 
@@ -54,8 +54,9 @@ def pack_kv_ref(
     out: torch.Tensor | None = None,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
 ) -> torch.Tensor:  # [num_layers, 2, n, block_size, num_kv_heads, head_dim], contiguous
     """Torch reference: gather the pages ``block_ids`` of every layer into ``out`` (a new
-    buffer when None)."""
-    _check_kv_cache(kv_cache)
+    buffer when None). ``kv_cache`` may have any strides (the CPU cache is a head-major view,
+    kernels/kv_cache.py); the buffer is contiguous in the logical order, the layout that travels."""
+    _check_kv_cache(kv_cache, contiguous=False)
     ids = _as_block_ids(block_ids, kv_cache.device)
     if out is None:
         return torch.index_select(kv_cache, 2, ids).contiguous()
@@ -68,8 +69,9 @@ def unpack_kv_ref(
     buffer: torch.Tensor,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
     block_ids: torch.Tensor | Sequence[int],  # [n]
 ) -> None:
-    """Torch reference: write page i of ``buffer`` into block ``block_ids[i]``, in place."""
-    _check_kv_cache(kv_cache)
+    """Torch reference: write page i of ``buffer`` into block ``block_ids[i]``, in place
+    (``kv_cache`` of any strides, ``buffer`` contiguous)."""
+    _check_kv_cache(kv_cache, contiguous=False)
     ids = _as_block_ids(block_ids, kv_cache.device)
     _check_buffer(kv_cache, buffer, ids.shape[0])
     kv_cache.index_copy_(2, ids.long(), buffer)
@@ -130,9 +132,9 @@ def pack_kv_triton(
     block_ids: torch.Tensor | Sequence[int],  # [n]
     out: torch.Tensor | None = None,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
 ) -> torch.Tensor:  # [num_layers, 2, n, block_size, num_kv_heads, head_dim], contiguous
-    """Triton version of :func:`pack_kv_ref`."""
+    """Triton version of :func:`pack_kv_ref` (``kv_cache`` contiguous)."""
     require_triton()
-    _check_kv_cache(kv_cache)
+    _check_kv_cache(kv_cache, contiguous=True)
     ids = _as_block_ids(block_ids, kv_cache.device).contiguous()
     if out is not None:
         _check_buffer(kv_cache, out, ids.shape[0])
@@ -150,9 +152,9 @@ def unpack_kv_triton(
     buffer: torch.Tensor,  # [num_layers, 2, n, block_size, num_kv_heads, head_dim]
     block_ids: torch.Tensor | Sequence[int],  # [n]
 ) -> None:
-    """Triton version of :func:`unpack_kv_ref`."""
+    """Triton version of :func:`unpack_kv_ref` (``kv_cache`` contiguous)."""
     require_triton()
-    _check_kv_cache(kv_cache)
+    _check_kv_cache(kv_cache, contiguous=True)
     ids = _as_block_ids(block_ids, kv_cache.device).contiguous()
     _check_buffer(kv_cache, buffer, ids.shape[0])
     _launch_copy_pages(kv_cache, buffer, ids, gather=False)

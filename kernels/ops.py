@@ -1,19 +1,23 @@
 """The kernel entry points the engine calls.
 
-Each op runs its Triton kernel when the tensors are on CUDA and Triton is installed, and
-its torch reference otherwise (the CPU path). Importing this module needs neither Triton
-nor a GPU. Shapes and semantics are documented beside each kernel:
-kernels/kv_write.py, kernels/paged_attention.py, kernels/kv_pack.py.
+Each op runs its Triton kernel when the tensors are on CUDA and Triton is installed. On the
+CPU, ``paged_attention`` and ``write_kv`` run the native kernels (kernels/csrc, loaded by
+kernels/native.py) and fall back to their torch references where those were not built;
+``pack_kv`` / ``unpack_kv`` run their references. Importing this module needs neither
+Triton, a GPU nor the native library. Shapes and semantics are documented beside each
+kernel: kernels/kv_write.py, kernels/paged_attention.py, kernels/kv_pack.py.
 """
 
 from collections.abc import Sequence
 
 import torch
 
+from kernels import elementwise
 from kernels._triton_compat import HAS_TRITON
 from kernels import kv_int8
 from kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
 from kernels.kv_write import write_kv_ref, write_kv_triton
+from kernels.native import native_kernels, paged_attention_native, write_kv_native
 from kernels.paged_attention import paged_attention_int8_triton, paged_attention_triton
 from kernels.paged_attention_ref import paged_attention_ref
 
@@ -21,6 +25,11 @@ from kernels.paged_attention_ref import paged_attention_ref
 def use_triton(device: torch.device) -> bool:
     """True when ops on tensors of ``device`` run the Triton kernels."""
     return HAS_TRITON and device.type == "cuda"
+
+
+def use_native(device: torch.device) -> bool:
+    """True when ops on tensors of ``device`` run the native CPU kernels."""
+    return device.type == "cpu" and native_kernels().available
 
 
 def write_kv(
@@ -31,13 +40,18 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 skips the token
 ) -> None:
     """Store each token's K/V at its slot (``block_id * block_size + offset``). An int8
-    cache (kernels/kv_int8.py) stores them quantized, each row with its scale."""
+    cache (kernels/kv_int8.py) stores them quantized, each row with its scale (the native
+    kernels do not read int8: its references and Triton kernels serve it)."""
     if k_cache.dtype == torch.int8:
         int8_impl = kv_int8.write_kv_int8_triton if use_triton(key.device) else kv_int8.write_kv_int8_ref
         int8_impl(key, value, k_cache, v_cache, slot_mapping)
         return
-    impl = write_kv_triton if use_triton(key.device) else write_kv_ref
-    impl(key, value, k_cache, v_cache, slot_mapping)
+    if use_triton(key.device):
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif use_native(key.device):
+        write_kv_native(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -54,7 +68,12 @@ def paged_attention(
     if k_cache.dtype == torch.int8:
         int8_impl = paged_attention_int8_triton if use_triton(query.device) else kv_int8.paged_attention_int8_ref
         return int8_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    impl = paged_attention_triton if use_triton(query.device) else paged_attention_ref
+    if use_triton(query.device):
+        impl = paged_attention_triton
+    elif use_native(query.device):
+        impl = paged_attention_native
+    else:
+        impl = paged_attention_ref
     return impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
@@ -79,4 +98,65 @@ def unpack_kv(
     impl(kv_cache, buffer, block_ids)
 
 
-__all__ = ["pack_kv", "paged_attention", "unpack_kv", "use_triton", "write_kv"]
+# -- the elementwise parts of a layer (kernels/elementwise.py, kernels/csrc/elementwise.cpp) --
+
+
+def _native_rows(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.stride(1) == 1 and use_native(x.device)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [..., hidden]
+    """RMSNorm as transformers computes it (statistics in float32)."""
+    if _native_rows(x) and weight.dtype == x.dtype and weight.is_contiguous():
+        return torch.ops.splitserve.rms_norm(x, weight, eps)
+    return elementwise.rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm_(
+    x: torch.Tensor,  # [rows, hidden], x += residual in place
+    residual: torch.Tensor,  # [rows, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # rms_norm(x + residual)
+    """A layer's residual add and the next RMSNorm in one pass."""
+    if _native_rows(x) and weight.dtype == x.dtype == residual.dtype and weight.is_contiguous():
+        return torch.ops.splitserve.add_rms_norm_(x, residual, weight, eps)
+    return elementwise.add_rms_norm_ref(x, residual, weight, eps)
+
+
+def rotary_(
+    qk: torch.Tensor,  # [tokens, heads, head_dim], rotated in place
+    cos: torch.Tensor,  # [tokens, 1, head_dim]
+    signed_sin: torch.Tensor,  # [tokens, 1, head_dim]
+) -> None:
+    """Rotate-half RoPE in place (see :func:`kernels.elementwise.rotary_ref`)."""
+    native = qk.dtype == cos.dtype == signed_sin.dtype == torch.float32 and qk.stride(2) == 1
+    if native and cos.is_contiguous() and signed_sin.is_contiguous() and use_native(qk.device):
+        torch.ops.splitserve.rotary_(qk, cos, signed_sin)
+    else:
+        elementwise.rotary_ref(qk, cos, signed_sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2 * inter] -> [rows, inter]
+    """``silu(gate) * up`` of a fused gate/up projection."""
+    if gate_up.dtype == torch.float32 and _native_rows(gate_up):
+        return torch.ops.splitserve.silu_mul(gate_up)
+    return elementwise.silu_mul_ref(gate_up)
+
+
+__all__ = [
+    "add_rms_norm_",
+    "pack_kv",
+    "paged_attention",
+    "rms_norm",
+    "rotary_",
+    "silu_mul",
+    "unpack_kv",
+    "use_native",
+    "use_triton",
+    "write_kv",
+]

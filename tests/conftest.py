@@ -20,7 +20,11 @@ def pytest_configure(config: pytest.Config) -> None:
     ``make test`` runs one process per core instead (pytest-xdist)."""
     import torch
 
+    from engine import cpu_tuning
+
     torch.set_num_threads(1)
+    # Engines built without num_threads would take every core; the suite's run one thread.
+    cpu_tuning.default_num_threads = lambda: 1
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # A larger init spreads the logits of a random model, so greedy argmax has clear winners

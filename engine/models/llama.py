@@ -6,7 +6,9 @@ written into their slots first, then attention reads every sequence's context th
 its block table, so a chunk attends to pages computed in earlier steps.
 
 The arithmetic mirrors ``transformers`` (float32 RMSNorm, cos/sin built in float32 then
-cast, the same rotate-half RoPE), so greedy outputs match ``generate`` token for token.
+cast, the same rotate-half RoPE; kernels/elementwise.py), so greedy outputs match
+``generate`` token for token. On CPU the elementwise parts run as fused native ops
+(kernels/csrc/elementwise.cpp) and the residual stream is updated in place.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.models.linear import Linear
 from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
 from engine.quant.linear import LinearLayer, WeightQuant, linear_factory, lm_head_linear
@@ -49,24 +52,6 @@ class _Layer:
     down: LinearLayer  # intermediate -> hidden
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as ``transformers`` does."""
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
-
-    ``signed_sin = [-sin1, sin2]`` carries the sign, so the rotation is a roll by half the
-    head: ``x2 * -sin1`` is exactly ``-x2 * sin1`` in IEEE arithmetic, so the values are
-    transformers' bit for bit, with two kernels fewer per call.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 class LlamaModel:
     """Weights plus the forward. Stateless across calls; the KV cache is passed in."""
 
@@ -82,7 +67,7 @@ class LlamaModel:
         self.spec = spec
         self.device = device
         self.quant = quant  # weight-only quantization at load (engine/quant/linear.py)
-        self._linear = linear_factory(quant)
+        self._linear = linear_factory(quant, dense=Linear)
         self.scale = spec.head_dim**-0.5
         self._load(weights)
         inv_freq, attn_scaling = rope_inv_freq(hf_config)
@@ -101,9 +86,9 @@ class LlamaModel:
         self.layers = [self._load_layer(weights, i) for i in range(spec.num_layers)]
         self.final_norm = self._take(weights, "model.norm.weight")
         if spec.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = lm_head_linear(self.embed, self.quant)
+            self.lm_head = lm_head_linear(self.embed, self.quant, dense=Linear)
         else:
-            self.lm_head = lm_head_linear(self._take(weights, "lm_head.weight"), self.quant)
+            self.lm_head = lm_head_linear(self._take(weights, "lm_head.weight"), self.quant, dense=Linear)
 
     def _load_layer(self, w: dict[str, torch.Tensor], i: int) -> _Layer:
         p = f"model.layers.{i}."
@@ -163,15 +148,11 @@ class LlamaModel:
         at ``start_position``, ``start_position + 1``, ... with the earlier positions' K/V
         already in its pages ``block_ids``.
 
-        The lean path for one short sequence (a draft model's batch-1 decode): no
-        ``ForwardBatch``, no host syncs, one K/V write and one gather of the context's
-        slots per layer.
-        Same arithmetic as ``forward`` except attention, which runs one SDPA call over the
-        gathered context instead of the paged-attention op, so results agree to float
-        rounding, not bit for bit.
+        The lean path for one short sequence (a draft model's batch-1 decode): the step's
+        metadata is a handful of small tensors instead of a ``ForwardBatch``, and only the
+        last token's logits are computed. The arithmetic is ``forward``'s (the same ops on
+        the same arguments), so the results are the same.
         """
-        if kv_cache.dtype == torch.int8:  # its SDPA reads the cache directly (a draft model's, float)
-            raise ValueError("forward_sequence needs a float KV cache; an int8 cache goes through forward")
         num_tokens = len(token_ids)
         seq_len = start_position + num_tokens
         block_size = kv_cache.shape[3]
@@ -181,28 +162,22 @@ class LlamaModel:
                 f"len(block_ids) * block_size = {len(block_ids) * block_size}"
             )
         device = self.device
-        spec = self.spec
-        # Slot of every position of the sequence, then the new tokens' among them.
-        pages = torch.tensor(block_ids[: -(-seq_len // block_size)], device=device)  # [num_pages]
-        offsets = torch.arange(block_size, device=device)
-        context_slots = (pages[:, None] * block_size + offsets).view(-1)[:seq_len]  # [seq_len]
-        new_slots = context_slots[start_position:]  # [t]
-        mask = None
-        if num_tokens > 1:  # query j (position start + j) sees keys 0 .. start + j
-            key_pos = torch.arange(seq_len, device=device)
-            mask = key_pos[None, :] <= torch.arange(start_position, seq_len, device=device)[:, None]
-        flat_cache = kv_cache.view(spec.num_layers, 2, -1, spec.num_kv_heads, spec.head_dim)
+        pages = block_ids[: -(-seq_len // block_size)]
+        i32 = torch.int32
+        block_table = torch.tensor([pages], dtype=i32, device=device)  # [1, num_pages]
+        seq_lens = torch.tensor([seq_len], dtype=i32, device=device)
+        query_start_loc = torch.tensor([0, num_tokens], dtype=i32, device=device)
+        new_slots = torch.tensor(
+            [pages[p // block_size] * block_size + p % block_size for p in range(start_position, seq_len)],
+            device=device,
+        )  # [t]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache = flat_cache[i]  # [2, num_slots, kv_heads, D]
-            cache.index_copy_(1, new_slots, torch.stack((k, v)))
-            # [2, 1, kv_heads, seq_len, D]: 4-d operands (CPU SDPA is ~2x slower on 3-d ones)
-            context = cache.index_select(1, context_slots).transpose(1, 2).unsqueeze(1)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), context[0], context[1], attn_mask=mask,
-                scale=self.scale, enable_gqa=spec.num_heads != spec.num_kv_heads,
-            )  # [1, heads, t, D]
-            return out[0].transpose(0, 1)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            ops.write_kv(k, v, k_cache, v_cache, new_slots)
+            return ops.paged_attention(
+                q, k_cache, v_cache, block_table, seq_lens, query_start_loc, self.scale
+            )
 
         x = F.embedding(torch.tensor(token_ids, device=device), self.embed)  # [t, hidden]
         cos = self.cos[start_position:seq_len].unsqueeze(1)  # [t, 1, head_dim]
@@ -212,7 +187,7 @@ class LlamaModel:
         return self._logits(x[-1:])[0]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
+        x = ops.rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
         return self.lm_head(x).float()
 
     def _layer(
@@ -221,14 +196,14 @@ class LlamaModel:
         layer: _Layer,
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,  # [T, 1, head_dim], signed (see apply_rope)
+        sin: torch.Tensor,  # [T, 1, head_dim], signed (see kernels.elementwise.rotary_ref)
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """One decoder layer; ``attend(i, q, k, v)`` stores the new K/V of layer i and
         returns the attention output ``[T, num_heads, head_dim]``."""
         spec = self.spec
         num_tokens = x.shape[0]
-        h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+        h = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps)
         qkv = layer.qkv(h)
         num_qk_heads = spec.num_heads + spec.num_kv_heads
         qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, num_qk_heads, spec.head_dim)
@@ -236,14 +211,16 @@ class LlamaModel:
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
             qk = torch.cat(
-                [rms_norm(q, layer.q_norm, spec.rms_norm_eps), rms_norm(k, layer.k_norm, spec.rms_norm_eps)],
+                [
+                    ops.rms_norm(q, layer.q_norm, spec.rms_norm_eps),
+                    ops.rms_norm(k, layer.k_norm, spec.rms_norm_eps),
+                ],
                 dim=1,
             )
-        # RoPE on q and k at once: elementwise, so the same values as rotating each apart.
-        qk = apply_rope(qk, cos, sin)
+        # RoPE on q and k at once, in place: elementwise, so the values of rotating each apart.
+        ops.rotary_(qk, cos, sin)
         q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
         attn = attend(i, q, k, v)
-        x = x + layer.o(attn.reshape(num_tokens, spec.q_size))
-        h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        # The residual stream x is this forward's own tensor: updated in place.
+        h = ops.add_rms_norm_(x, layer.o(attn.reshape(num_tokens, spec.q_size)), layer.post_norm, spec.rms_norm_eps)
+        return x.add_(layer.down(ops.silu_mul(layer.gate_up(h))))

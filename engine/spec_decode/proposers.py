@@ -18,9 +18,10 @@ from engine.models.llama import LlamaModel
 from engine.models.loader import load_hf_config, load_weights
 from engine.models.spec import load_model_spec
 from engine.request import Request
-from engine.sampler import SamplingMetadata, compute_probs, random_sample
+from engine.sampler import SamplingMetadata, compute_probs, greedy_tokens, random_sample
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
+from kernels.kv_cache import new_kv_cache
 
 
 class Proposer(ABC):
@@ -79,9 +80,9 @@ class DraftModelProposer(Proposer):
         self.device = target.device
         self.block_size = target.block_size
         self.model = LlamaModel(spec, hf_config, weights, target.max_model_len, target.device)
-        self.kv_cache = torch.zeros(
-            spec.num_layers, 2, target.num_kv_blocks, target.block_size, spec.num_kv_heads,
-            spec.head_dim, dtype=target.dtype, device=target.device,
+        self.kv_cache = new_kv_cache(
+            spec.num_layers, target.num_kv_blocks, target.block_size, spec.num_kv_heads,
+            spec.head_dim, target.dtype, target.device,
         )
 
     @torch.inference_mode()
@@ -109,7 +110,7 @@ class DraftModelProposer(Proposer):
                     drafts[-1:], request.num_tokens - 1 + j, block_ids, self.kv_cache
                 )
             if metadata is None:
-                drafts.append(int(logits.argmax()))
+                drafts.append(int(greedy_tokens(logits)))
             else:
                 row_probs = compute_probs(logits.unsqueeze(0), metadata)  # [1, vocab]
                 drafts.append(int(random_sample(row_probs, metadata.generators)[0]))

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import ARCHS, mixed_prompts
@@ -109,3 +110,27 @@ def test_config_variants_match(overrides: dict, ckpt_dir: Callable[..., Path], h
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, NEW_TOKENS)
     engine.check_integrity()
+
+
+def test_without_native_kernels_the_references_match(ckpt_dir: Callable[..., Path], hf_greedy: Callable,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on an install where kernels/csrc did not build: the cache is contiguous (the
+    # references' slot write needs it), every op runs its torch reference, tokens still match,
+    # and pages packed there unpack into a native (head-major) engine's cache and back.
+    from kernels import native
+
+    path = ckpt_dir("llama")
+    prompts = mixed_prompts(6, 512, seed=31, max_len=60)
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "_loaded", native.NativeKernels(None, "simulated"))
+        engine = make_engine(path)
+        assert engine.runner.kv_cache.is_contiguous()
+        outs = engine.generate(prompts, GREEDY)
+        fallback_pages = engine.runner.pack_kv([1, 2, 3])
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, NEW_TOKENS)
+    if not native.native_kernels().available:
+        return
+    native_engine = make_engine(path)
+    assert not native_engine.runner.kv_cache.is_contiguous()  # head-major storage
+    native_engine.runner.unpack_kv([7, 8, 9], fallback_pages)
+    assert torch.equal(native_engine.runner.pack_kv([7, 8, 9]), fallback_pages)

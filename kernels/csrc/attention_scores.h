@@ -1,0 +1,120 @@
+// Scores of one query row against a chunk of up to kChunk keys: s[t] = q . k_t.
+//
+// Two ways, chosen per work item by attend_keys (paged_attention.cpp):
+// * transposed: the chunk's keys are transposed once into kt [head_dim, kChunk] and each
+//   row is head_dim broadcast-FMAs over contiguous vectors. The transpose is paid once per
+//   chunk for all rows, so this serves tiles with many rows (prefill) on any CPU.
+// * direct (AVX-512 only): each key row is multiplied with q along head_dim, giving one
+//   vector of partial sums per key, and a shuffle tree sums the 16 vectors at once. No
+//   transpose, so it serves decode (a GQA group's few rows per chunk).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <ATen/cpu/vec/vec.h>
+
+namespace splitserve {
+
+constexpr int kChunk = 16;  // keys per online-softmax step
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int kVec = Vec::size();
+static_assert(kChunk % kVec == 0, "a key chunk must be whole vectors");
+constexpr int kChunkVecs = kChunk / kVec;
+
+// kt[d * kChunk + t] = k[t * slot_stride + d] for t < n, 0 for n <= t < kChunk.
+template <typename scalar_t>
+inline void transpose_keys(const scalar_t* k, int64_t slot_stride, int n, int D, float* kt) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (n == kChunk && D % 16 == 0) {
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        at::vec::transpose_mxn<float, 16, 16>(k + d0, slot_stride, kt + d0 * kChunk, kChunk);
+      }
+      return;
+    }
+  }
+  for (int t = 0; t < kChunk; ++t) {
+    const scalar_t* row = k + t * slot_stride;
+    for (int d = 0; d < D; ++d) {
+      kt[d * kChunk + t] = t < n ? static_cast<float>(row[d]) : 0.0f;
+    }
+  }
+}
+
+// s[0:kChunk] from transposed keys (two FMA chains per vector, for the FMA latency).
+template <int kD>
+inline void scores_transposed(const float* q, const float* kt, int head_dim, float* s) {
+  const int D = kD > 0 ? kD : head_dim;
+  Vec acc0[kChunkVecs], acc1[kChunkVecs];
+  for (int j = 0; j < kChunkVecs; ++j) {
+    acc0[j] = Vec(0.0f);
+    acc1[j] = Vec(0.0f);
+  }
+  int d = 0;
+  for (; d + 1 < D; d += 2) {
+    const Vec q0(q[d]), q1(q[d + 1]);
+    for (int j = 0; j < kChunkVecs; ++j) {
+      acc0[j] = at::vec::fmadd(q0, Vec::loadu(kt + d * kChunk + j * kVec), acc0[j]);
+      acc1[j] = at::vec::fmadd(q1, Vec::loadu(kt + (d + 1) * kChunk + j * kVec), acc1[j]);
+    }
+  }
+  if (d < D) {
+    const Vec q0(q[d]);
+    for (int j = 0; j < kChunkVecs; ++j) {
+      acc0[j] = at::vec::fmadd(q0, Vec::loadu(kt + d * kChunk + j * kVec), acc0[j]);
+    }
+  }
+  for (int j = 0; j < kChunkVecs; ++j) {
+    (acc0[j] + acc1[j]).store(s + j * kVec);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kHasDirectScores = true;
+
+// Lane i of the result is the sum of the 16 lanes of v[i].
+inline __m512 sum_each_of_16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // pairs of lanes within 128-bit lanes
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lane j of b[i]: lane j's sums of v[4i .. 4i+3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i) {  // add the 128-bit lanes pairwise
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+// s[0:16] straight from n <= 16 float key rows (slot_stride apart); s[t] = 0 for t >= n.
+template <int kD>
+inline void scores_direct(const float* q, const float* k, int64_t slot_stride, int n, float* s) {
+  static_assert(kD > 0 && kD % 16 == 0, "the direct path needs a head_dim of whole vectors");
+  constexpr int kN = kD / 16;
+  __m512 qv[kN], partial[16];
+  for (int j = 0; j < kN; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
+  for (int t = 0; t < 16; ++t) {
+    __m512 acc = _mm512_setzero_ps();
+    if (t < n) {
+      const float* row = k + t * slot_stride;
+      for (int j = 0; j < kN; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(row + 16 * j), acc);
+    }
+    partial[t] = acc;
+  }
+  _mm512_storeu_ps(s, sum_each_of_16(partial));
+}
+#else
+constexpr bool kHasDirectScores = false;
+
+template <int kD>
+inline void scores_direct(const float*, const float*, int64_t, int, float*) {}
+#endif
+
+}  // namespace splitserve

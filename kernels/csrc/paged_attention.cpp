@@ -1,0 +1,326 @@
+// Paged attention on CPU, reading K/V in place through the block table.
+//
+// One work item (attention_plan.h) is a tile of query rows (token x query head of one GQA
+// group) against a range of key positions of one KV head. Keys are visited
+// in chunks of up to kChunk positions inside one page:
+//
+//   kt   = K chunk transposed into [head_dim, kChunk] (L1 scratch), so that scores are
+//          broadcast-FMAs over contiguous vectors: s[0:kChunk] += q[d] * kt[d, 0:kChunk]
+//   p    = exp(s - running max), masked to the keys the row may see (causal)
+//   acc  = acc * exp(old max - new max) + sum_t p[t] * V[t, :]   (V rows read in place)
+//
+// Softmax is online and in float32 whatever the cache dtype. Items run on the intra-op
+// threads, largest first, taken from a shared counter; tiles whose keys were split over
+// several items are merged by a combine pass. Vector code is ATen's at::vec::Vectorized,
+// compiled once per CPU capability (setup.py), so one source serves AVX-512, AVX2 and NEON.
+#include "paged_attention.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+
+#include "attention_plan.h"
+#include "attention_scores.h"
+#include "paged_attention_args.h"
+
+namespace splitserve {
+namespace {
+
+constexpr int kDirectMaxRows = 4;  // tiles with up to this many rows score keys directly
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename scalar_t>
+struct Call {  // one call's tensors as raw pointers and element strides
+  const scalar_t* query;
+  const scalar_t* k;
+  const scalar_t* v;
+  scalar_t* out;  // [num_tokens, num_heads, head_dim], contiguous
+  const int64_t* block_tables;
+  PagedGeometry g;
+};
+
+struct Scratch {  // per thread, reused across calls
+  std::vector<float> q, acc, kt, vrows, m, l;
+  float s[kChunk];
+
+  void reserve(int64_t max_rows, int64_t head_dim) {
+    q.resize(max_rows * head_dim);
+    acc.resize(max_rows * head_dim);
+    kt.resize(head_dim * kChunk);
+    vrows.resize(kChunk * head_dim);
+    m.resize(max_rows);
+    l.resize(max_rows);
+  }
+};
+
+Scratch& thread_scratch(const PagedGeometry& g) {
+  thread_local Scratch scratch;
+  scratch.reserve(g.max_rows, g.head_dim);
+  return scratch;
+}
+
+// Online softmax over the first `nv` scores of s (the keys this row sees): turns s into
+// p = exp(s - new max) (0 past nv), updates the running max m and sum l, and returns the
+// factor exp(old max - new max) that rescales the row's accumulator.
+inline float row_softmax(float* s, int nv, float& m, float& l) {
+  Vec chunk_max(kNegInf);
+  for (int j = 0; j < kChunkVecs; ++j) {
+    const int visible = std::clamp(nv - j * kVec, 0, kVec);
+    chunk_max = at::vec::maximum(chunk_max, Vec::set(Vec(kNegInf), Vec::loadu(s + j * kVec), visible));
+  }
+  const float new_max = std::max(m, at::vec::vec_reduce_all<float>(
+      [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, chunk_max));
+  const float alpha = new_max == m ? 1.0f : std::exp(m - new_max);  // 0 while m is -inf
+  const Vec vmax(new_max);
+  Vec sum(0.0f);
+  for (int j = 0; j < kChunkVecs; ++j) {
+    const int visible = std::clamp(nv - j * kVec, 0, kVec);
+    const Vec p = Vec::set(Vec(0.0f), (Vec::loadu(s + j * kVec) - vmax).exp_u20(), visible);
+    p.store(s + j * kVec);
+    sum = sum + p;
+  }
+  const float chunk_sum = at::vec::vec_reduce_all<float>(
+      [](const Vec& a, const Vec& b) { return a + b; }, sum);
+  l = l * alpha + chunk_sum;
+  m = new_max;
+  return alpha;
+}
+
+// acc[0:D] = acc * alpha + sum_{t < nv} p[t] * v[t * v_stride + 0:D]
+template <int kD>
+inline void row_accumulate(const float* p, int nv, const float* v, int64_t v_stride, float alpha,
+                           float* acc, int head_dim) {
+  if constexpr (kD > 0) {
+    constexpr int kN = kD / kVec;
+    Vec a[kN];
+    const Vec va(alpha);
+    for (int j = 0; j < kN; ++j) a[j] = Vec::loadu(acc + j * kVec) * va;
+    for (int t = 0; t < nv; ++t) {
+      const Vec pt(p[t]);
+      const float* row = v + t * v_stride;
+      for (int j = 0; j < kN; ++j) a[j] = at::vec::fmadd(pt, Vec::loadu(row + j * kVec), a[j]);
+    }
+    for (int j = 0; j < kN; ++j) a[j].store(acc + j * kVec);
+  } else {
+    for (int d = 0; d < head_dim; ++d) acc[d] *= alpha;
+    for (int t = 0; t < nv; ++t) {
+      const float* row = v + t * v_stride;
+      for (int d = 0; d < head_dim; ++d) acc[d] += p[t] * row[d];
+    }
+  }
+}
+
+template <typename scalar_t>
+void load_queries(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
+  const auto& g = c.g;
+  const float scale = static_cast<float>(g.scale);
+  for (int i = 0; i < w.num_tokens; ++i) {
+    for (int h = 0; h < g.group; ++h) {
+      const scalar_t* src =
+          c.query + (w.tok_begin + i) * g.q_token + (w.kv_head * g.group + h) * g.q_head;
+      float* dst = sc.q.data() + (i * g.group + h) * g.head_dim;
+      for (int d = 0; d < g.head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+    }
+  }
+}
+
+// V rows of a chunk as float: in place for a float cache, else converted into scratch.
+template <typename scalar_t>
+const float* value_rows(const scalar_t* v, int64_t slot_stride, int n, int D, Scratch& sc,
+                        int64_t& stride) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    stride = slot_stride;
+    return v;
+  } else {
+    for (int t = 0; t < n; ++t) {
+      for (int d = 0; d < D; ++d) sc.vrows[t * D + d] = static_cast<float>(v[t * slot_stride + d]);
+    }
+    stride = D;
+    return sc.vrows.data();
+  }
+}
+
+// Ask for the n rows (row_bytes each, slot_stride elements apart) of the next chunk: its page
+// is elsewhere in memory, so the hardware prefetcher cannot see it coming.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* p, int64_t slot_stride, int n, int64_t row_bytes) {
+  for (int t = 0; t < n; ++t) {
+    const char* row = reinterpret_cast<const char*>(p + t * slot_stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
+}
+
+template <typename scalar_t, int kD>
+void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
+  const auto& g = c.g;
+  const int D = static_cast<int>(g.head_dim);
+  const int rows = w.num_tokens * static_cast<int>(g.group);
+  const int64_t* pages = c.block_tables + w.seq * g.bt_seq;
+  // Few rows (decode): score keys straight from the cache; many: transpose each chunk once.
+  constexpr bool kDirect = kHasDirectScores && std::is_same_v<scalar_t, float> && kD > 0;
+  const bool direct = kDirect && rows <= kDirectMaxRows;
+  for (int pos = w.key_begin; pos < w.key_end;) {
+    const int64_t offset = pos % g.block_size;
+    const int n = static_cast<int>(
+        std::min<int64_t>({kChunk, g.block_size - offset, static_cast<int64_t>(w.key_end - pos)}));
+    const int64_t page = pages[pos / g.block_size];
+    const scalar_t* kp = c.k + page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head;
+    const scalar_t* vp = c.v + page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head;
+    if (pos + n < w.key_end) {
+      const int64_t next = pos + n;
+      const int n_next = static_cast<int>(std::min<int64_t>({kChunk, g.block_size - next % g.block_size, static_cast<int64_t>(w.key_end - next)}));
+      const int64_t next_page = pages[next / g.block_size];
+      const int64_t next_off = next % g.block_size;
+      prefetch_rows(c.k + next_page * g.k_block + next_off * g.k_slot + w.kv_head * g.k_head, g.k_slot, n_next, D * sizeof(scalar_t));
+      prefetch_rows(c.v + next_page * g.v_block + next_off * g.v_slot + w.kv_head * g.v_head, g.v_slot, n_next, D * sizeof(scalar_t));
+    }
+    if (!direct) transpose_keys(kp, g.k_slot, n, D, sc.kt.data());
+    int64_t v_stride = 0;
+    const float* vf = value_rows(vp, g.v_slot, n, D, sc, v_stride);
+    for (int r = 0; r < rows; ++r) {
+      // Row r is token r / group, at position pos_begin + r / group: it sees keys up to it.
+      const int nv = std::min(n, w.pos_begin + r / static_cast<int>(g.group) - pos + 1);
+      if (nv <= 0) continue;
+      if constexpr (kDirect) {
+        if (direct) {
+          scores_direct<kD>(sc.q.data() + r * D, reinterpret_cast<const float*>(kp), g.k_slot, n, sc.s);
+        } else {
+          scores_transposed<kD>(sc.q.data() + r * D, sc.kt.data(), D, sc.s);
+        }
+      } else {
+        scores_transposed<kD>(sc.q.data() + r * D, sc.kt.data(), D, sc.s);
+      }
+      const float alpha = row_softmax(sc.s, nv, sc.m[r], sc.l[r]);
+      row_accumulate<kD>(sc.s, nv, vf, v_stride, alpha, sc.acc.data() + r * D, D);
+    }
+    pos += n;
+  }
+}
+
+struct Partials {  // softmax state of split items: [num_partials, max_rows(, head_dim)]
+  float* m;
+  float* l;
+  float* acc;
+};
+
+template <typename scalar_t, int kD>
+void run_item(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc, const Partials& part) {
+  const auto& g = c.g;
+  const int64_t D = g.head_dim;
+  const int rows = w.num_tokens * static_cast<int>(g.group);
+  load_queries(c, w, sc);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
+  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
+  attend_keys<scalar_t, kD>(c, w, sc);
+  for (int r = 0; r < rows; ++r) {
+    const float* acc = sc.acc.data() + r * D;
+    if (w.partial >= 0) {
+      part.m[w.partial * g.max_rows + r] = sc.m[r];
+      part.l[w.partial * g.max_rows + r] = sc.l[r];
+      std::copy(acc, acc + D, part.acc + (w.partial * g.max_rows + r) * D);
+      continue;
+    }
+    const int64_t head = w.kv_head * g.group + r % g.group;
+    scalar_t* dst = c.out + ((w.tok_begin + r / g.group) * g.num_heads + head) * D;
+    const float inv = 1.0f / sc.l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+  }
+}
+
+template <typename scalar_t>
+void combine_split(const Call<scalar_t>& c, const SplitTile& t, const Partials& part) {
+  const auto& g = c.g;
+  const int64_t D = g.head_dim;
+  std::vector<float> acc(D);
+  for (int r = 0; r < t.num_tokens * g.group; ++r) {
+    float max = kNegInf;
+    for (int i = 0; i < t.num_splits; ++i) max = std::max(max, part.m[(t.first_partial + i) * g.max_rows + r]);
+    float sum = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int i = 0; i < t.num_splits; ++i) {
+      const int64_t slot = (t.first_partial + i) * g.max_rows + r;
+      const float w = std::exp(part.m[slot] - max);  // 0 for a split this row sees nothing of
+      sum += part.l[slot] * w;
+      const float* a = part.acc + slot * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
+    }
+    const int64_t head = t.kv_head * g.group + r % g.group;
+    scalar_t* dst = c.out + ((t.tok_begin + r / g.group) * g.num_heads + head) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] / sum);
+  }
+}
+
+// Runs fn(i) for i in [0, n) on up to max_threads intra-op threads, each taking the next index.
+template <typename F>
+void parallel_dynamic(int64_t n, int64_t max_threads, const F& fn) {
+  const int64_t num_threads = std::min<int64_t>(max_threads, n);
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  };
+  if (num_threads <= 1) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, num_threads, 1, worker);
+  }
+}
+
+template <typename scalar_t, int kD>
+void run_plan(const Call<scalar_t>& c, const AttentionPlan& plan) {
+  at::Tensor partial_buf;
+  Partials part{nullptr, nullptr, nullptr};
+  if (plan.num_partials > 0) {
+    const int64_t rows = plan.num_partials * c.g.max_rows;
+    partial_buf = at::empty({rows * (2 + c.g.head_dim)}, at::kFloat);
+    part = {partial_buf.data_ptr<float>(), partial_buf.data_ptr<float>() + rows,
+            partial_buf.data_ptr<float>() + 2 * rows};
+  }
+  parallel_dynamic(static_cast<int64_t>(plan.items.size()), plan.num_threads, [&](int64_t i) {
+    run_item<scalar_t, kD>(c, plan.items[i], thread_scratch(c.g), part);
+  });
+  parallel_dynamic(static_cast<int64_t>(plan.splits.size()), plan.num_threads,
+                   [&](int64_t i) { combine_split(c, plan.splits[i], part); });
+}
+
+template <typename scalar_t>
+void dispatch_head_dim(const Call<scalar_t>& c, const AttentionPlan& plan) {
+  switch (c.g.head_dim) {
+    case 32: return run_plan<scalar_t, 32>(c, plan);
+    case 64: return run_plan<scalar_t, 64>(c, plan);
+    case 96: return run_plan<scalar_t, 96>(c, plan);
+    case 128: return run_plan<scalar_t, 128>(c, plan);
+    default: return run_plan<scalar_t, 0>(c, plan);
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                               double scale) {
+  PagedArgs args = check_paged_attention_args(query, k_cache, v_cache, block_tables, seq_lens,
+                                              query_start_loc, scale);
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  if (query.size(0) == 0) return out;
+  const AttentionPlan plan = make_attention_plan(args.plan_inputs(at::get_num_threads()));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
+    const Call<scalar_t> call{args.query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                              v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                              args.block_tables.data_ptr<int64_t>(), args.geometry};
+    dispatch_head_dim(call, plan);
+  });
+  return out;
+}
+
+}  // namespace splitserve

@@ -1,0 +1,43 @@
+"""bench.hot_path: the summary of a run (synthetic results; the benchmark itself is not run)."""
+
+from __future__ import annotations
+
+from bench import hot_path
+
+
+def _run(tok_s: float, ms: float | None = None, ids=((1, 2),)) -> dict:
+    out = {"seconds": 8192 / tok_s, "num_output_tokens": 8192, "output_ids": [list(i) for i in ids],
+           "load_before": 1.0, "load_after": 1.5}
+    if ms is not None:
+        out["decode_ms_per_token"] = ms
+    return out
+
+
+def test_summary_takes_the_best_round_of_each_system() -> None:
+    kernel = {"kv_bytes": 2e7, "native": "avx512", "load_before": 1.0, "load_after": 1.0,
+              "1_threads": {"attention_gb_s": 20.0, "copy_gb_s": 14.0}}
+    results = {
+        "ours-32m-0": _run(900.0), "ours-32m-1": _run(1000.0),
+        "vllm-32m-0": _run(800.0), "vllm-32m-1": {"error": "timed out"},
+        "ours-135m-0": _run(300.0, ms=30.0), "ours-135m-1": _run(250.0, ms=28.0),
+        "vllm-135m-0": _run(240.0, ms=31.0), "vllm-135m-1": _run(200.0, ms=33.0),
+        "kernel-32m": kernel, "kernel-135m": kernel, "hf-32m": _run(50.0),
+    }
+    figures, lines = hot_path.summary(results)
+    assert figures["throughput_32m"]["ours"] == 1000.0 and figures["throughput_32m"]["vllm"] == 800.0
+    assert figures["throughput_32m"]["ratio"] == 1000.0 / 800.0
+    assert figures["throughput_32m"]["rounds"]["vllm"] == [800.0, None]
+    assert figures["batch1_ms_per_token_135m"] == {"ours": 28.0, "vllm": 31.0}
+    assert figures["vs_transformers_32m"]["ratio"] == 20.0
+    assert figures["kernel_32m"]["1_threads"]["attention_gb_s"] == 20.0
+    text = "\n".join(lines)
+    assert "1.25x" in text and "failed" in text and "greedy equal 1/1" in text
+
+
+def test_a_system_that_failed_every_round_is_reported_not_raised() -> None:
+    failed = {"error": "no result"}
+    results = {f"{s}-{m}-0": failed for s in ("ours", "vllm") for m in ("32m", "135m")}
+    results |= {"kernel-32m": failed, "kernel-135m": failed}
+    figures, lines = hot_path.summary(results)
+    assert figures["throughput_135m"]["ratio"] is None
+    assert any("kernel, 32m: no result" in line for line in lines)

@@ -1,0 +1,85 @@
+"""The engine owns its intra-op threads: EngineConfig.num_threads, else every CPU it may use."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, cpu_tuning
+
+
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_available_cpus_is_the_affinity_mask() -> None:
+    assert cpu_tuning.available_cpus() == len(os.sched_getaffinity(0))
+
+
+def test_unset_num_threads_takes_the_default(ckpt_dir: Callable[..., Path], monkeypatch,
+                                             restore_threads) -> None:
+    # tests/conftest.py makes the default 1 for the suite; here it is 3, as on a 3-CPU mask.
+    monkeypatch.setattr(cpu_tuning, "default_num_threads", lambda: 3)
+    engine = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8))
+    assert engine.runner.num_threads == 3 and torch.get_num_threads() == 3
+
+
+def test_explicit_num_threads_wins(ckpt_dir: Callable[..., Path], monkeypatch,
+                                   restore_threads) -> None:
+    monkeypatch.setattr(cpu_tuning, "default_num_threads", lambda: 3)
+    engine = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, num_threads=2))
+    assert engine.runner.num_threads == 2 and torch.get_num_threads() == 2
+
+
+def test_num_threads_is_validated() -> None:
+    with pytest.raises(ValueError, match="num_threads"):
+        EngineConfig(model="m", num_threads=0)
+
+
+def _step_in_a_thread(engine: Engine) -> dict:
+    """One generate on a fresh thread (as a service's engine thread), reporting its pinning."""
+    from engine import SamplingParams
+    from kernels.native import thread_cpus
+
+    seen: dict = {}
+
+    def run() -> None:
+        engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2))
+        seen["team"] = thread_cpus()
+        seen["own"] = sorted(os.sched_getaffinity(0))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return seen
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_stepping_thread_pins_its_team_one_thread_per_cpu(ckpt_dir: Callable[..., Path],
+                                                               restore_threads) -> None:
+    from kernels.native import native_kernels
+
+    if not native_kernels().available:
+        pytest.skip("binding needs the native kernels")
+    main_before = sorted(os.sched_getaffinity(0))
+    engine = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, num_threads=2))
+    seen = _step_in_a_thread(engine)
+    cpus = main_before[:2]
+    assert engine.runner.thread_cpus == cpus and seen["team"] == cpus and seen["own"] == cpus[:1]
+    assert sorted(os.sched_getaffinity(0)) == main_before  # the constructing thread is untouched
+
+
+def test_one_thread_or_bind_off_pins_nothing(ckpt_dir: Callable[..., Path], restore_threads) -> None:
+    for config in (dict(num_threads=1), dict(num_threads=2, bind_threads=False)):
+        engine = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, **config))
+        seen = _step_in_a_thread(engine)
+        assert engine.runner.thread_cpus is None
+        assert seen["own"] == sorted(os.sched_getaffinity(0))

@@ -1,0 +1,50 @@
+"""engine.models.linear: prepacked oneDNN GEMMs against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models import linear
+from engine.models.linear import Linear
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 4, 64, 257])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_matches_f_linear(rows, with_bias, monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(rows, 80, generator=gen)
+    layer = Linear(weight, bias)
+    assert layer.packed is not None and layer.weight is weight  # float32 keeps both
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(linear.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(1) or real(*a), raising=False)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    assert bool(calls) == (rows >= linear.MIN_PACKED_ROWS)  # GEMVs stay on F.linear
+
+
+@needs_onednn
+def test_bfloat16_keeps_only_the_packed_weight() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 32, generator=gen).bfloat16()
+    layer = Linear(weight)
+    assert layer.weight is None
+    for rows in (1, 16):
+        x = torch.randn(rows, 32, generator=gen).bfloat16()
+        torch.testing.assert_close(layer(x).float(), F.linear(x, weight).float(), atol=0.05, rtol=0.02)
+
+
+def test_unpacked_where_it_does_not_pay() -> None:
+    weight = torch.randn(8, 4, dtype=torch.float16)
+    layer = Linear(weight)
+    assert layer.packed is None
+    x = torch.randn(5, 4, dtype=torch.float16)
+    assert torch.equal(layer(x), F.linear(x, weight))
+    assert Linear(torch.randn(8, 4), prepack=False).packed is None

@@ -23,7 +23,7 @@ import torch
 
 from kernels.kv_write import write_kv_ref
 from kernels.native import native_kernels, paged_attention_native, write_kv_native
-from kernels.paged_attention import paged_attention_ref
+from kernels.paged_attention_ref import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NATIVE_SKIPPED = os.environ.get("SPLITSERVE_SKIP_NATIVE") == "1"
@@ -259,7 +259,7 @@ def test_operators_pass_torch_library_opcheck(paged_batch) -> None:
 AVX2_CHECK = """
 import torch
 from kernels.native import native_kernels, paged_attention_native
-from kernels.paged_attention import paged_attention_ref
+from kernels.paged_attention_ref import paged_attention_ref
 assert torch.backends.cpu.get_cpu_capability() == "AVX2"
 assert native_kernels().variant == "avx2", native_kernels()
 g = torch.Generator().manual_seed(0)

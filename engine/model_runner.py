@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
 from engine import cpu_tuning
+from engine.config import EngineConfig
 from engine.kv_layout import INT8_SCALE_BYTES, KVLayout
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import load_hf_config, load_weights

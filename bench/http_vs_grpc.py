@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
-import sys
 import time
 from pathlib import Path
 
 import grpc
 
-from bench import report
-from bench.machine import load_window
-from bench.metrics import percentile
+from bench import ab, report
 from bench.sse_client import SSEConnection
 from bench.workload import LengthDist, RequestSpec, synthetic
 from plumbing.rpc import channel_options
@@ -112,37 +108,16 @@ async def _closed_loop(requests: list[RequestSpec], concurrency: int, session) -
             "output_tokens": sum(spec.max_new_tokens for spec, r in zip(requests, ordered) if r[0] is not None)}
 
 
-def _summary(runs: list[dict]) -> dict:
-    ttfts = [t for run in runs for t in run["ttft_s"]]
-    rates = [run["output_tokens"] / run["seconds"] for run in runs]
-    return {"output_tokens_per_s": statistics.median(rates), "output_tokens_per_s_rounds": rates,
-            "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
-            "errors": [e for run in runs for e in run["errors"]], "load_average_1m": [run["load"] for run in runs]}
-
-
 def measure(gateway: str, http: str, model: str, requests: list[RequestSpec], concurrency: int,
             rounds: int) -> dict:
-    bursts = {"grpc": lambda reqs: _grpc_burst(gateway, reqs, concurrency),
-              "http_sse": lambda reqs: _http_burst(http, model, reqs, concurrency)}
+    bursts = {"grpc": lambda: asyncio.run(_grpc_burst(gateway, requests, concurrency)),
+              "http_sse": lambda: asyncio.run(_http_burst(http, model, requests, concurrency))}
     for burst in bursts.values():  # warm-up with the whole workload (first-use costs of each shape), not counted
-        asyncio.run(burst(requests))
-    runs: dict[str, list[dict]] = {name: [] for name in bursts}
-    for round_index in range(rounds):
-        for name in (list(bursts) if round_index % 2 == 0 else list(reversed(bursts))):
-            with load_window() as load:
-                run = asyncio.run(bursts[name](requests))
-            run["load"] = load
-            runs[name].append(run)
-            print(f"round {round_index} {name:8s} {run['output_tokens'] / run['seconds']:8.1f} tok/s  "
-                  f"errors {len(run['errors'])}  load {load}", file=sys.stderr)
-    results = {name: _summary(runs[name]) for name in bursts}
-    paired = [h / g for h, g in zip(results["http_sse"]["output_tokens_per_s_rounds"],
-                                    results["grpc"]["output_tokens_per_s_rounds"])]
+        burst()
+    runs = ab.alternate(bursts, rounds)
+    results = {name: ab.summary(runs[name]) for name in bursts}
     results["http_vs_grpc"] = {
-        "output_tokens_per_s": results["http_sse"]["output_tokens_per_s"] / results["grpc"]["output_tokens_per_s"],
-        "output_tokens_per_s_same_round_median": statistics.median(paired),
-        "ttft_p50": results["http_sse"]["ttft_p50_ms"] / results["grpc"]["ttft_p50_ms"],
-        "ttft_p99": results["http_sse"]["ttft_p99_ms"] / results["grpc"]["ttft_p99_ms"],
+        **ab.ratios(results, "http_sse", "grpc"),
         "same_text": all(a == b for g, h in zip(runs["grpc"], runs["http_sse"])
                          for a, b in zip(g["texts"], h["texts"]) if a and b),
     }
@@ -150,15 +125,7 @@ def measure(gateway: str, http: str, model: str, requests: list[RequestSpec], co
 
 
 def markdown(results: dict) -> str:
-    lines = ["| way in | output tok/s (median of rounds) | TTFT P50 ms | TTFT P99 ms |", "| --- | --- | --- | --- |"]
-    for name in ("grpc", "http_sse"):
-        r = results[name]
-        lines.append(f"| {name} | {r['output_tokens_per_s']:.1f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} |")
-    ratio = results["http_vs_grpc"]
-    lines.append(f"| http_sse / grpc | {ratio['output_tokens_per_s']:.3f}× (same-round pairs: "
-                 f"{ratio['output_tokens_per_s_same_round_median']:.3f}×) | {ratio['ttft_p50']:.3f}× "
-                 f"| {ratio['ttft_p99']:.3f}× |")
-    return "\n".join(lines)
+    return ab.markdown(results, "way in", ("grpc", "http_sse"), "http_vs_grpc")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
 
-from bench import report
-from bench.machine import load_window
+from bench import ab, report
 from bench.metrics import percentile
 from bench.workload import LengthDist, RequestSpec, synthetic
 from plumbing.tls import TlsConfig, TlsStore
@@ -90,7 +87,8 @@ async def _burst(address: str, auth: ClientAuth, requests: list[RequestSpec], co
         seconds = time.perf_counter() - start
     ordered = [results[i] for i in range(len(requests))]
     return {"seconds": seconds, "ttft_s": [t for t, _ in ordered if t is not None],
-            "tokens": [ids for _, ids in ordered], "errors": errors}
+            "tokens": [ids for _, ids in ordered], "output_tokens": sum(len(ids) for _, ids in ordered),
+            "errors": errors}
 
 
 async def _fresh_connections(address: str, auth: ClientAuth, count: int) -> list[float]:
@@ -105,61 +103,26 @@ async def _fresh_connections(address: str, auth: ClientAuth, count: int) -> list
     return times
 
 
-def _summary(runs: list[dict], connects: list[float]) -> dict:
-    ttfts = [t for run in runs for t in run["ttft_s"]]
-    rates = [sum(len(ids) for ids in run["tokens"]) / run["seconds"] for run in runs]
-    return {"output_tokens_per_s": statistics.median(rates), "output_tokens_per_s_rounds": rates,
-            "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
-            "fresh_connection_p50_ms": percentile(connects, 50) * 1e3,
-            "errors": [e for run in runs for e in run["errors"]],
-            "load_average_1m": [run["load"] for run in runs]}
-
-
 def measure(args: argparse.Namespace, clusters: dict[str, tuple[str, ClientAuth]],
             requests: list[RequestSpec]) -> dict:
-    runs: dict[str, list[dict]] = {name: [] for name in clusters}
     for address, auth in clusters.values():  # warm-up (first-use costs in every process), not counted
         asyncio.run(_burst(address, auth, requests[: args.concurrency], args.concurrency))
-    for round_index in range(args.rounds):
-        order = list(clusters) if round_index % 2 == 0 else list(reversed(clusters))
-        for name in order:
-            address, auth = clusters[name]
-            with load_window() as load:
-                run = asyncio.run(_burst(address, auth, requests, args.concurrency))
-            run["load"] = load
-            runs[name].append(run)
-            rate = sum(len(ids) for ids in run["tokens"]) / run["seconds"]
-            print(f"round {round_index} {name:9s} {rate:8.1f} tok/s  errors {len(run['errors'])}  load {load}",
-                  file=sys.stderr)
-    connects = {name: asyncio.run(_fresh_connections(*clusters[name], args.connections)) for name in clusters}
-    results = {name: _summary(runs[name], connects[name]) for name in clusters}
+    runs = ab.alternate({name: (lambda a=address, c=auth: asyncio.run(_burst(a, c, requests, args.concurrency)))
+                         for name, (address, auth) in clusters.items()}, args.rounds)
+    results = {}
+    for name in clusters:
+        connects = asyncio.run(_fresh_connections(*clusters[name], args.connections))
+        results[name] = {**ab.summary(runs[name]), "fresh_connection_p50_ms": percentile(connects, 50) * 1e3}
     same = all(x == y for a, b in zip(runs["plaintext"], runs["tls"]) for x, y in zip(a["tokens"], b["tokens"])
                if x and y)  # requests that failed in either are not compared (and are reported)
-    paired = [t / p for t, p in zip(results["tls"]["output_tokens_per_s_rounds"],
-                                    results["plaintext"]["output_tokens_per_s_rounds"])]
-    results["tls_vs_plaintext"] = {
-        "output_tokens_per_s": results["tls"]["output_tokens_per_s"] / results["plaintext"]["output_tokens_per_s"],
-        "output_tokens_per_s_same_round_median": statistics.median(paired),  # each round's pair, back to back
-        "ttft_p50": results["tls"]["ttft_p50_ms"] / results["plaintext"]["ttft_p50_ms"],
-        "ttft_p99": results["tls"]["ttft_p99_ms"] / results["plaintext"]["ttft_p99_ms"],
-        "fresh_connection_p50": results["tls"]["fresh_connection_p50_ms"] / results["plaintext"]["fresh_connection_p50_ms"],
-        "same_greedy_tokens": same,
-    }
+    results["tls_vs_plaintext"] = {**ab.ratios(results, "tls", "plaintext", ["fresh_connection_p50_ms"]),
+                                   "same_greedy_tokens": same}
     return results
 
 
 def markdown(results: dict) -> str:
-    lines = ["| deployment | output tok/s (median of rounds) | TTFT P50 ms | TTFT P99 ms | fresh connection P50 ms |",
-             "| --- | --- | --- | --- | --- |"]
-    for name in ("plaintext", "tls"):
-        r = results[name]
-        lines.append(f"| {name} | {r['output_tokens_per_s']:.1f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} "
-                     f"| {r['fresh_connection_p50_ms']:.2f} |")
-    ratio = results["tls_vs_plaintext"]
-    lines.append(f"| tls / plaintext | {ratio['output_tokens_per_s']:.3f}× "
-                 f"(same-round pairs: {ratio['output_tokens_per_s_same_round_median']:.3f}×) | {ratio['ttft_p50']:.3f}× "
-                 f"| {ratio['ttft_p99']:.3f}× | {ratio['fresh_connection_p50']:.2f}× |")
-    return "\n".join(lines)
+    return ab.markdown(results, "deployment", ("plaintext", "tls"), "tls_vs_plaintext",
+                       {"fresh connection P50 ms": "fresh_connection_p50_ms"})
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -187,9 +187,11 @@ def test_one_trace_spans_all_four_processes_and_no_heartbeats(client: openai.Ope
     parent = os.urandom(8).hex()
     client.completions.create(model="target", prompt=PROMPTS[2] * 8, max_tokens=4, temperature=0,
                               extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
-    server = {"/splitserve.v1.Gateway/Generate", "/splitserve.v1.PrefillWorker/Prefill",
-              "/splitserve.v1.DecodeWorker/Decode", "/splitserve.v1.DecodeWorker/AnnounceTransfer"}
-    spans = receiver.wait_for(trace_id, server | {"POST /v1/completions", "kv.transfer.wire"})
+    wanted = {("splitserve-http", "POST /v1/completions"), ("splitserve-gateway", "/splitserve.v1.Gateway/Generate"),
+              ("splitserve-prefill", "/splitserve.v1.PrefillWorker/Prefill"), ("splitserve-prefill", "kv.transfer.wire"),
+              ("splitserve-decode", "/splitserve.v1.DecodeWorker/Decode"),
+              ("splitserve-decode", "/splitserve.v1.DecodeWorker/AnnounceTransfer")}
+    spans = receiver.wait_for(trace_id, wanted)
     by_id = {s.span_id: s for s in spans}
 
     def server_span(service: str, name: str):  # noqa: ANN202

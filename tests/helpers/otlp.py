@@ -48,12 +48,14 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self._lock:
             return list(self._spans)
 
-    def wait_for(self, trace_id: str, names: set[str], within_s: float = 15.0) -> list[Span]:
-        """The spans of ``trace_id`` once every name in ``names`` arrived (or the time ran out)."""
+    def wait_for(self, trace_id: str, wanted: set[tuple[str, str]], within_s: float = 15.0) -> list[Span]:
+        """The spans of ``trace_id`` once a span of every (service, name) in ``wanted`` arrived
+        (or the time ran out). The service matters: a client span and the server span it
+        leads to share the RPC's name, and each process exports its batches on its own."""
         deadline = time.monotonic() + within_s
         while True:
             found = [s for s in self.spans() if s.trace_id == trace_id]
-            if names <= {s.name for s in found} or time.monotonic() > deadline:
+            if wanted <= {(s.service, s.name) for s in found} or time.monotonic() > deadline:
                 return found
             time.sleep(0.1)
 

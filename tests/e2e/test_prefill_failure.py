@@ -89,8 +89,8 @@ def test_leases_expire_and_short_prompts_still_work(cluster: Cluster) -> None:
 
 def test_full_pool_and_full_gateway_are_resource_exhausted(cluster: Cluster) -> None:
     """Two 300-token prompts hold 38 of the decode worker's 48 blocks while their transfers
-    stall; a third cannot reserve within 300 ms, and a fourth concurrent request exceeds the
-    gateway's max_in_flight of 3."""
+    stall; a third cannot reserve within 300 ms, and of five more sent at once, one exceeds
+    the gateway's max_in_flight of 3."""
     gw = cluster.addresses["gateway"]
     decode = cluster.addresses["decode-0"]
     results: dict[int, object] = {}
@@ -110,8 +110,10 @@ def test_full_pool_and_full_gateway_are_resource_exhausted(cluster: Cluster) -> 
     assert "KV pool" in third.details
     while worker_stats(gw)[decode].kv_blocks_in_transfer < 38 and time.monotonic() < deadline + 5:
         time.sleep(0.02)
+    # Five more at once: each stays in flight for the 2 s stall (or the 300 ms reservation
+    # wait), so at least one finds 3 in flight even if the holders' leases already ran out.
     extra = [threading.Thread(target=lambda i=i: results.update({10 + i: stream(gw, make_request(
-        list(range(3000 + i, 3050 + i)), 4), 30)})) for i in range(2)]
+        list(range(3000 + i, 3050 + i)), 4), 30)})) for i in range(5)]
     for t in extra:
         t.start()
     for t in holders + extra:

@@ -119,6 +119,12 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
             raise ValueError("incarnation must be set (the worker process's incarnation)")
         check_load(request.load, "load")
         quantization = check_quantization(request.quantization, "quantization")
+        # Pages computed with other weights than the decode worker continues with would give
+        # a wrong reply without an error: one quantization per deployment, like one model.
+        others = {w.quantization for w in self.workers.values() if w.address != request.address}
+        if others and others != {quantization}:
+            raise ValueError(f"quantization: worker runs {quantization!r}, the registered workers run "
+                             f"{sorted(others)!r}")
         for old in [w for w in self.workers.values() if w.address == request.address]:
             self.drop(old.worker_id, "another process registered at its address")
         channel = PeerChannel(request.address, self.security)

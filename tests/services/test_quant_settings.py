@@ -58,15 +58,26 @@ def test_int8_layout_travels_and_names_its_row_width() -> None:
 
 def test_registrations_report_quantization_and_kv_layout_in_getinfo() -> None:
     async def run() -> None:
-        reg = Registry("m", heartbeat_period_ms=1000, heartbeat_miss_count=3)
         load = common_pb2.WorkerLoad(kv_blocks_total=10, kv_blocks_free=10)
-        for port, quant in ((1, "int4-g32"), (2, "")):
-            await reg.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+        infos = []
+        for port, quant in ((1, "int4-g32"), (2, "")):  # one deployment each: one quantization per gateway
+            one = Registry("m", heartbeat_period_ms=1000, heartbeat_miss_count=3)
+            await one.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
                 role=common_pb2.WORKER_ROLE_DECODE, address=f"127.0.0.1:{port}", model="m", load=load,
                 incarnation=port, quantization=quant, kv_layout=kv_layout_to_proto(INT8)), None)
-        infos = sorted(reg.info(), key=lambda w: w.address)
+            infos += one.info()
+            await one.stop()
         assert [w.quantization for w in infos] == ["int4-g32", "none"]
         assert all(w.kv_layout.dtype == "int8" for w in infos)
+        reg = Registry("m", heartbeat_period_ms=1000, heartbeat_miss_count=3)
+        await reg.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+            role=common_pb2.WORKER_ROLE_DECODE, address="127.0.0.1:1", model="m", load=load,
+            incarnation=1, quantization="int8", kv_layout=kv_layout_to_proto(INT8)), None)
+        with pytest.raises(ValueError, match=r"quantization: worker runs 'none', the registered workers run \['int8'\]"):
+            await reg.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
+                role=common_pb2.WORKER_ROLE_PREFILL, address="127.0.0.1:2", model="m", load=load,
+                incarnation=2, kv_layout=kv_layout_to_proto(INT8)), None)
+        assert [w.address for w in reg.info()] == ["127.0.0.1:1"]  # refused, nothing registered
         with pytest.raises(ValueError, match="quantization must be one of"):
             await reg.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
                 role=common_pb2.WORKER_ROLE_DECODE, address="127.0.0.1:3", model="m", load=load,

@@ -31,7 +31,7 @@ from bench.machine import load_window
 from bench.metrics import RequestRecord
 from bench.online import ModelInfo, ProgressBar, request_rows
 from bench.profiles import InterferenceProfile
-from bench.report import skipped
+from bench.figures import skipped
 from bench.summary import MS, errors, transfer_figures
 from bench.workload import LengthDist, RequestSpec, synthetic
 

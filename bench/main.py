@@ -22,7 +22,7 @@ from bench.cost import cost_figures
 from bench.deployment import DeploymentPool, DeploymentSpec, engine_flags
 from bench.machine import load_average
 from bench.options import BenchConfig
-from bench.report import skipped
+from bench.figures import is_skipped, skipped
 
 
 def say(message: str) -> None:
@@ -57,7 +57,7 @@ def online_section(config: BenchConfig, pool: DeploymentPool) -> dict:
 
 
 def cost_section(config: BenchConfig, online: dict) -> dict:
-    runs = [r for r in online.get("runs", []) if not report_mod.is_skipped(r["figures"])]
+    runs = [r for r in online.get("runs", []) if not is_skipped(r["figures"])]
     if not runs:
         return skipped("no online run completed")
     best = max(runs, key=lambda r: r["figures"]["output_tokens_per_s"])
@@ -152,7 +152,7 @@ def run(config: BenchConfig, argv: list[str]) -> tuple[dict, list[str]]:
     try:
         report["online"] = (_guarded("online", lambda: online_section(config, pool), failures)
                             if "online" in config.sections else not_requested)
-        report["cost"] = (cost_section(config, report["online"]) if not report_mod.is_skipped(report["online"])
+        report["cost"] = (cost_section(config, report["online"]) if not is_skipped(report["online"])
                           else skipped("the online section did not run"))
         pool.retain(for_interference | for_peers)
         report["interference"] = (
@@ -175,7 +175,7 @@ def main(config: BenchConfig, argv: list[str]) -> int:
     report_mod.write_bench_report(report, config.out_dir)
     for row in report["goals"]:
         measured = row["figures"]["measured"]
-        value = measured["skipped"] if report_mod.is_skipped(measured) else f"{measured:.3f}"
+        value = measured["skipped"] if is_skipped(measured) else f"{measured:.3f}"
         say(f"goal {row['goal']}: {value} (target {row['target']}, met: {row['met']})")
     problems = report_mod.figure_problems(report)
     for problem in problems:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.report import is_skipped
+from bench.figures import is_skipped
 
 
 def _num(value: object, spec: str = ".3g") -> str:

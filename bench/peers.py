@@ -35,7 +35,7 @@ from bench.deployment import DeploymentPool, DeploymentSpec, send_all
 from bench.machine import load_window
 from bench.metrics import match_outputs
 from bench.profiles import PeersProfile
-from bench.report import skipped
+from bench.figures import skipped
 from bench.workload import RequestSpec
 
 LABELS = {

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.figures import is_skipped, skipped
 from bench.machine import git_commit, machine_description, package_version
 
 SCHEMA = "splitserve-bench/1"
@@ -60,18 +61,12 @@ def write_bench_report(report: dict, out_dir: Path) -> list[str]:
         report["plots"] = names
     except ImportError as exc:  # the figures are still all in the JSON
         names = []
-        report["plots"] = {"skipped": f"no plots: {exc}"}
+        report["plots"] = skipped(f"no plots: {exc}")
     write_json(report, out_dir / "report.json")
     (out_dir / "report.md").write_text(markdown.render(report, names))
     return names
 
 
-def skipped(reason: str) -> dict:
-    return {"skipped": reason}
-
-
-def is_skipped(value: object) -> bool:
-    return isinstance(value, dict) and set(value) == {"skipped"} and isinstance(value["skipped"], str)
 
 
 def _figure_leaves(node: object, path: str) -> Iterator[tuple[str, object]]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from bench import metrics
 from bench.metrics import RequestRecord, Slo
 from bench.monitor import KvSample
-from bench.report import skipped
+from bench.figures import skipped
 
 MS = 1000.0
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import figure_problems, is_skipped
+from bench.figures import is_skipped
+from bench.report import figure_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import openai
@@ -57,10 +58,9 @@ class Received:
     final: gateway_pb2.GenerateResponse | None = None
 
 
-def receive(address: str, request: gateway_pb2.GenerateRequest, progressed: threading.Event | None = None) -> Received:
-    """One request through ``GatewayClient`` to its final chunk; ``progressed`` is set once a
-    few tokens arrived."""
-    out = Received()
+def receive(address: str, request: gateway_pb2.GenerateRequest, out: Received | None = None) -> Received:
+    """One request through ``GatewayClient`` to its final chunk, into ``out`` as it comes."""
+    out = out if out is not None else Received()
     with GatewayClient(address, policy=PATIENT) as client:
         for chunk in client.generate(request, timeout_s=240):
             assert out.final is None, "a chunk after the final one"
@@ -68,16 +68,26 @@ def receive(address: str, request: gateway_pb2.GenerateRequest, progressed: thre
             out.text += chunk.text
             if chunk.finish_reason:
                 out.final = chunk
-            if progressed is not None and len(out.token_ids) >= 3:
-                progressed.set()
     return out
 
 
-def kill_and_restart_gateway_once(cluster: Cluster, progressed: list[threading.Event]) -> None:
-    for event in progressed:
-        assert event.wait(120), "a stream did not start"
-    cluster.kill("gateway")
-    cluster.restart("gateway")
+def wait_progress(counts: list[Callable[[], int]], at_least: list[int], timeout_s: float = 120) -> None:
+    """Until every stream's count reached its bound."""
+    deadline = time.monotonic() + timeout_s
+    while any(c() < n for c, n in zip(counts, at_least)):
+        assert time.monotonic() < deadline, "a stream made no progress"
+        time.sleep(0.005)
+
+
+def kill_and_restart_gateway(cluster: Cluster, counts: list[Callable[[], int]], times: int = 1) -> None:
+    """Kill (-9) and restart the gateway ``times`` times, each once every stream received a
+    few tokens more than at the kill before."""
+    reached = [0] * len(counts)
+    for _ in range(times):
+        wait_progress(counts, [n + 3 for n in reached])
+        cluster.kill("gateway")
+        reached = [c() for c in counts]
+        cluster.restart("gateway")
 
 
 def assert_no_leaks(cluster: Cluster) -> None:
@@ -93,21 +103,22 @@ def test_python_client_streams_outlive_a_killed_gateway(cluster: Cluster, refere
     with cf.ThreadPoolExecutor(len(requests)) as pool:
         undisturbed = list(pool.map(lambda r: receive(address, r), requests))
     assert [u.token_ids for u in undisturbed[:-1]] == references
-    progressed = [threading.Event() for _ in requests]
+    results = [Received() for _ in requests]
     with cf.ThreadPoolExecutor(len(requests)) as pool:
-        futures = [pool.submit(receive, address, r, e) for r, e in zip(requests, progressed)]
-        kill_and_restart_gateway_once(cluster, progressed)
-        results = [f.result(timeout=300) for f in futures]
+        futures = [pool.submit(receive, address, r, out) for r, out in zip(requests, results)]
+        kill_and_restart_gateway(cluster, [lambda out=out: len(out.token_ids) for out in results], times=2)
+        for f in futures:
+            f.result(timeout=300)
     for i, (got, want) in enumerate(zip(results, undisturbed)):
         assert got.final is not None and got.final.finish_reason == common_pb2.FINISH_REASON_LENGTH, i
         assert got.token_ids == want.token_ids, f"request {i}: a token missing, repeated or wrong"
         assert got.text == want.text, f"request {i}: the text differs from the undisturbed stream's"
-        assert got.final.timings.resumes >= 1, f"request {i} finished before the kill: the test proved nothing"
+        assert got.final.timings.resumes == 2, f"request {i} was not cut by both kills: the test proved less"
         assert got.final.num_prompt_tokens == len(requests[i].token_ids.ids)
     assert_no_leaks(cluster)
 
 
-def _openai_stream(client: openai.OpenAI, prompt: str, progressed: threading.Event | None = None) -> tuple[str, int]:
+def _openai_stream(client: openai.OpenAI, prompt: str, received: list[str] | None = None) -> tuple[str, int]:
     stream = client.completions.create(model="target", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True})
@@ -116,8 +127,8 @@ def _openai_stream(client: openai.OpenAI, prompt: str, progressed: threading.Eve
         if event.choices:
             text += event.choices[0].text
             finish = event.choices[0].finish_reason or finish
-            if progressed is not None and len(text) >= 8:
-                progressed.set()
+            if received is not None:
+                received.append(event.choices[0].text)
         if event.usage is not None:
             num_tokens = event.usage.completion_tokens
     assert finish == "length"
@@ -130,11 +141,11 @@ def test_openai_streams_through_the_front_outlive_a_killed_gateway(cluster: Clus
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         undisturbed = list(pool.map(lambda p: _openai_stream(client, p), prompts))
     assert all(n == MAX_TOKENS for _, n in undisturbed)
-    progressed = [threading.Event() for _ in prompts]
+    received: list[list[str]] = [[] for _ in prompts]
     resumed_before = _front_resumed(cluster)
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(_openai_stream, client, p, e) for p, e in zip(prompts, progressed)]
-        kill_and_restart_gateway_once(cluster, progressed)
+        futures = [pool.submit(_openai_stream, client, p, r) for p, r in zip(prompts, received)]
+        kill_and_restart_gateway(cluster, [lambda r=r: len(r) for r in received])
         results = [f.result(timeout=300) for f in futures]
     assert results == undisturbed  # the text once, no gap; every token counted once
     assert len(_front_resumed(cluster) - resumed_before) == len(prompts)  # each was cut mid-stream

@@ -59,15 +59,19 @@ class Received:
 
 
 def receive(address: str, request: gateway_pb2.GenerateRequest, out: Received | None = None) -> Received:
-    """One request through ``GatewayClient`` to its final chunk, into ``out`` as it comes."""
-    out = out if out is not None else Received()
+    """One request through its own ``GatewayClient`` to its final chunk, into ``out``."""
     with GatewayClient(address, policy=PATIENT) as client:
-        for chunk in client.generate(request, timeout_s=240):
-            assert out.final is None, "a chunk after the final one"
-            out.token_ids += chunk.token_ids
-            out.text += chunk.text
-            if chunk.finish_reason:
-                out.final = chunk
+        return drain(client, request, out if out is not None else Received())
+
+
+def drain(client: GatewayClient, request: gateway_pb2.GenerateRequest, out: Received) -> Received:
+    """``client.generate(request)`` into ``out`` as it comes."""
+    for chunk in client.generate(request, timeout_s=240):
+        assert out.final is None, "a chunk after the final one"
+        out.token_ids += chunk.token_ids
+        out.text += chunk.text
+        if chunk.finish_reason:
+            out.final = chunk
     return out
 
 

@@ -45,17 +45,23 @@ def _parity(steps: dict) -> list[dict]:
         return [_unmet("greedy_float32_identical", text32, "the parity step did not finish"),
                 _unmet("greedy_bfloat16_drift", text16, "the parity step did not finish")]
     models = _parity_models(fig)
-    if any("error" in m for m in models.values()) or not models:
-        why = "a model's parity run failed: " + ", ".join(n for n, m in models.items() if "error" in m)
-        return [_unmet("greedy_float32_identical", text32, why), _unmet("greedy_bfloat16_drift", text16, why)]
-    f32 = {n: m["float32"]["matches"] for n, m in models.items()}
-    gaps = [d.get("margin_of_spread") for m in models.values() for d in m["bfloat16"]["divergences"]]
-    bf16 = {n: m["bfloat16"]["matches"] for n, m in models.items()}
-    drift_ok = all(g is not None and abs(g) <= BF16_TIE_SHARE for g in gaps)
-    return [{"id": "greedy_float32_identical", "goal": text32, "measured": f32,
-             "met": all(m["float32"]["identical"] for m in models.values())},
-            {"id": "greedy_bfloat16_drift", "goal": text16, "measured": {"matches": bf16, "gaps": gaps},
-             "met": drift_ok}]
+    runs = {dtype: {name: m.get(dtype, m) for name, m in models.items()} for dtype in ("float32", "bfloat16")}
+    broken = {dtype: [name for name, r in by_model.items() if "error" in r] for dtype, by_model in runs.items()}
+    out = []
+    if broken["float32"] or not models:
+        out.append(_unmet("greedy_float32_identical", text32, f"float32 parity did not run on {broken['float32']}"))
+    else:
+        out.append({"id": "greedy_float32_identical", "goal": text32,
+                    "measured": {n: r["matches"] for n, r in runs["float32"].items()},
+                    "met": all(r["identical"] for r in runs["float32"].values())})
+    if broken["bfloat16"] or not models:
+        out.append(_unmet("greedy_bfloat16_drift", text16, f"bfloat16 parity did not run on {broken['bfloat16']}"))
+    else:
+        gaps = [d.get("margin_of_spread") for r in runs["bfloat16"].values() for d in r["divergences"]]
+        out.append({"id": "greedy_bfloat16_drift", "goal": text16,
+                    "measured": {"matches": {n: r["matches"] for n, r in runs["bfloat16"].items()}, "gaps": gaps},
+                    "met": all(g is not None and abs(g) <= BF16_TIE_SHARE for g in gaps)})
+    return out
 
 
 def _speed(steps: dict, dry_run: bool) -> list[dict]:

@@ -9,7 +9,9 @@ whether it passed.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -132,22 +134,32 @@ def _matmuls(device: torch.device, extra: list[tuple[int, int, int]]) -> list[di
     return out
 
 
+def _guarded(label: str, part: Callable[[], list[dict]]) -> list[dict]:
+    """A part's checks, or one failed record with the error (a kernel that does not compile
+    or faults here must not hide the other parts' figures)."""
+    try:
+        return part()
+    except Exception as exc:  # recorded as a failed check
+        return [{"name": label, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                 "max_abs_err": None, "atol": None, "rtol": None, "passed": False}]
+
+
 def kernels_step(options: GpuCheckOptions, deadline: float) -> dict:
-    """Every check; the step fails (after recording them all) unless each passed."""
+    """Every check; ``all_passed`` only when each ran and passed."""
     device = device_for(options)
     head_dim = options.profile.kernel_head_dim
     batches = dict(ATTENTION_BATCHES)
     if not options.dry_run:
         batches["long"] = LONG_BATCH
-    parts: list[Callable[[], list[dict]]] = [
-        lambda: _attention(device, head_dim, batches),
-        lambda: _int8_kv(device, head_dim, batches),
-        lambda: _write_and_pack(device, head_dim),
-        lambda: _matmuls(device, [] if options.dry_run else MATMUL_DEVICE),
-    ]
+    parts: dict[str, Callable[[], list[dict]]] = {}
+    for label, lens in batches.items():  # one part per batch: a fault in one keeps the others
+        parts[f"paged_attention/{label}"] = partial(_attention, device, head_dim, {label: lens})
+    parts["int8_kv"] = partial(_int8_kv, device, head_dim, batches)
+    parts["write_kv_and_pack"] = partial(_write_and_pack, device, head_dim)
+    parts["matmuls"] = partial(_matmuls, device, [] if options.dry_run else MATMUL_DEVICE)
     checks: list[dict] = []
-    for part in parts:
-        checks += part()
+    for label, part in parts.items():
+        checks += _guarded(label, part)
     failed = [c["name"] for c in checks if not c["passed"]]
     return {"device": str(device), "num_checks": len(checks), "num_passed": len(checks) - len(failed),
             "all_passed": not failed, "failed": failed, "checks": checks}

@@ -15,7 +15,8 @@ def _table(headers: list[str], rows: list[list[object]]) -> list[str]:
 
 
 def _kernels(fig: dict) -> list[str]:
-    rows = [[c["name"], c.get("dtype", "float32"), c["max_abs_err"], f"{c['atol']:g} / {c['rtol']:g}",
+    rows = [[c["name"], c.get("dtype", "float32"), c["max_abs_err"] if "error" not in c else c["error"][:120],
+             f"{c['atol']:g} / {c['rtol']:g}" if c["atol"] is not None else "–",
              "yes" if c["passed"] else "**no**"] for c in fig["checks"]]
     return [f"{fig['num_passed']}/{fig['num_checks']} checks passed on {fig['device']}.", "",
             *_table(["check", "dtype", "max abs err", "atol / rtol", "passed"], rows)]
@@ -33,6 +34,9 @@ def _parity(fig: dict) -> list[str]:
             continue
         for dtype in ("float32", "bfloat16"):
             r = model[dtype]
+            if "error" in r:
+                lines.append(f"- {name} {dtype}: {r['error']}")
+                continue
             rows.append([name, dtype, r["matches"], r["mean_common_prefix"],
                          ", ".join(f"#{d['prompt']}@{d['position']}" for d in r["divergences"]) or "none"])
     return [*_table(["model", "dtype", "identical", "mean common prefix", "divergences (prompt@token)"], rows), *lines, ""]
@@ -51,8 +55,8 @@ def _bandwidth(fig: dict) -> list[str]:
 def _throughput(fig: dict) -> list[str]:
     rows = []
     for batch, r in fig["batches"].items():
-        if "skipped" in r:
-            rows.append([batch, r["skipped"], "", "", "", "", ""])
+        if "skipped" in r or "error" in r:
+            rows.append([batch, r.get("skipped") or r["error"][:120], "", "", "", "", ""])
             continue
         rows.append([batch, r["output_tok_per_s"], r.get("decode_tok_per_s"), r.get("mean_decode_step_ms"),
                      r.get("decode_gb_per_s"), r.get("roofline_fraction"), "yes" if r["truncated"] else "no"])
@@ -72,6 +76,14 @@ RENDER = {"kernels": _kernels, "parity": _parity, "bandwidth": _bandwidth, "thro
           "handoff": _handoff}
 
 
+def _section(name: str, figures: dict) -> list[str]:
+    """A step's tables; a figure missing from them costs that section, not the report."""
+    try:
+        return RENDER[name](figures)
+    except (KeyError, TypeError, ValueError) as exc:
+        return [f"(not rendered: {type(exc).__name__}: {exc}; the figures are in gpu_check.json)", ""]
+
+
 def render(doc: dict) -> str:
     build = doc["steps"].get("build", {}).get("figures", {})
     lines = [f"# GPU check ({doc['mode']} run)", "", f"{doc['timestamp']}, commit {doc['git_commit']}, "
@@ -82,7 +94,7 @@ def render(doc: dict) -> str:
     for name, entry in doc["steps"].items():
         lines += [f"## {name}: {entry['status']}", ""]
         if entry["status"] == "ok" and name in RENDER:
-            lines += RENDER[name](entry["figures"])
+            lines += _section(name, entry["figures"])
         elif entry["status"] == "ok":
             lines += [f"- {k}: {v}" for k, v in entry["figures"].items()] + [""]
         else:

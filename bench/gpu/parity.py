@@ -84,6 +84,17 @@ def _divergences(got: list[list[int]], want: list[list[int]], logits: list[torch
     return out
 
 
+def _compare_dtype(model_dir: Path, dtype: str, device: torch.device, prompts: list[list[int]],
+                   new_tokens: int) -> dict:
+    got = ours(model_dir, dtype, device, prompts, new_tokens)
+    free_memory(device)
+    want, logits = theirs(model_dir, dtype, device, prompts, new_tokens)
+    match = match_outputs(got, want)
+    common = [match.first_divergence.get(i, len(w)) for i, w in enumerate(want)]
+    return {"identical": match.num_equal == match.num_compared, "matches": match.fraction,
+            "mean_common_prefix": sum(common) / len(common), "divergences": _divergences(got, want, logits)}
+
+
 def compare_model(model_dir: Path, options: GpuCheckOptions, device: torch.device) -> dict:
     vocab = _vocab_size(model_dir)
     p = options.profile
@@ -91,14 +102,11 @@ def compare_model(model_dir: Path, options: GpuCheckOptions, device: torch.devic
     result: dict = {"model": str(model_dir), "num_prompts": len(prompts),
                     "prompt_lens": [len(x) for x in prompts], "new_tokens": p.parity_new_tokens}
     for dtype in DTYPES:
-        got = ours(model_dir, dtype, device, prompts, p.parity_new_tokens)
+        try:
+            result[dtype] = _compare_dtype(model_dir, dtype, device, prompts, p.parity_new_tokens)
+        except Exception as exc:  # the other dtype's figures still count
+            result[dtype] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         free_memory(device)
-        want, logits = theirs(model_dir, dtype, device, prompts, p.parity_new_tokens)
-        free_memory(device)
-        match = match_outputs(got, want)
-        common = [match.first_divergence.get(i, len(w)) for i, w in enumerate(want)]
-        result[dtype] = {"identical": match.num_equal == match.num_compared, "matches": match.fraction,
-                         "mean_common_prefix": sum(common) / len(common), "divergences": _divergences(got, want, logits)}
     return result
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import random
 import time
+import traceback
+from dataclasses import asdict
 
 import torch
 
@@ -114,7 +116,7 @@ def throughput_step(options: GpuCheckOptions, deadline: float) -> dict:
     built = time.perf_counter()
     engine, model_dir = _engine(options, device)
     synchronize(device)
-    out: dict = {"device": str(device), "model": {"shape": vars(options.profile.throughput_model) | {},
+    out: dict = {"device": str(device), "model": {"shape": asdict(options.profile.throughput_model),
                  "dtype": "bfloat16", "weights": "random, drawn on the device",
                  "build_s": time.perf_counter() - built}, "copy_gb_per_s": copy["gb_per_s"], "batches": {}}
     shape = options.profile.throughput_model
@@ -128,8 +130,12 @@ def throughput_step(options: GpuCheckOptions, deadline: float) -> dict:
             continue
         stop_at = time.perf_counter() + min(options.batch_budget_s, deadline - time.monotonic())
         prompts = [[rng.randrange(3, shape.vocab_size) for _ in range(options.prompt_len)] for _ in range(batch)]
-        phases, truncated, wall_s = _run(engine, prompts, options.output_len, shape.kv_bytes_per_token(2), stop_at)
-        engine.check_integrity()
+        try:
+            phases, truncated, wall_s = _run(engine, prompts, options.output_len, shape.kv_bytes_per_token(2), stop_at)
+            engine.check_integrity()
+        except Exception as exc:  # the smaller batches' figures stay; the engine's state is unknown now
+            out["batches"][str(batch)] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            break
         out["batches"][str(batch)] = _figures(batch, options, phases, truncated, wall_s, weight_bytes, copy["gb_per_s"])
     return out
 

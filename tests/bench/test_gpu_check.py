@@ -135,3 +135,71 @@ def test_an_exhausted_budget_skips_steps_and_fails_the_run(tmp_path: Path) -> No
     rc, doc, _ = run_check(tmp_path, "--steps", "build,kernels", "--budget-s", "1", timeout_s=300)
     assert rc == 1 and doc["incomplete"] == ["build", "kernels"]
     assert all("budget" in doc["steps"][s]["reason"] for s in ("build", "kernels"))
+
+
+# -- the goals and the Markdown on hand-made device results (no GPU here) ----------------------
+
+
+def _device_steps(attention_vs_copy: float, batch64_roofline: float) -> dict:
+    kernel = {"name": "paged_attention/decode", "dtype": "bfloat16", "max_abs_err": 0.001, "atol": 1e-6,
+              "rtol": 2**-7, "passed": True}
+    broken = {"name": "matmuls", "error": "CompilationError: boom", "max_abs_err": None, "atol": None,
+              "rtol": None, "passed": False}
+    same = {"identical": True, "matches": "8/8", "mean_common_prefix": 32.0, "divergences": []}
+    drift = {"identical": False, "matches": "7/8", "mean_common_prefix": 30.0,
+             "divergences": [{"prompt": 3, "position": 17, "margin": 0.01, "margin_of_spread": 0.001}]}
+    ok = "ok"
+    return {
+        "kernels": {"status": ok, "figures": {"device": "cuda", "num_checks": 2, "num_passed": 1, "all_passed": False,
+                                              "failed": ["matmuls"], "checks": [kernel, broken]}},
+        "parity": {"status": ok, "figures": {"device": "cuda", "smollm2": {"skipped": "no --smollm2"},
+                                             "random": {"float32": same, "bfloat16": drift},
+                                             "bundled": {"float32": same, "bfloat16": {"error": "RuntimeError: x"}}}},
+        "bandwidth": {"status": ok, "figures": {"copy": {"gb_per_s": 4300.0}, "attention": {
+            "triton_vs_copy": attention_vs_copy, "triton": {"gb_per_s": 4300.0 * attention_vs_copy},
+            "sdpa": {"flash": {"gb_per_s": 3000.0}, "cudnn": {"skipped": "no"}}, "num_seqs": 64, "context": 4096,
+            "heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}}},
+        "throughput": {"status": ok, "figures": {"copy_gb_per_s": 4300.0, "batches": {
+            "64": {"roofline_fraction": batch64_roofline, "output_tok_per_s": 5000.0, "truncated": False},
+            "256": {"error": "OutOfMemoryError: CUDA out of memory"}}}},
+        "handoff": {"status": "failed", "error": "killed after its time limit of 135 s", "log_tail": ""},
+    }
+
+
+def test_goals_on_device_results() -> None:
+    from bench.gpu import goals
+
+    met = {g["id"]: g for g in goals.evaluate(_device_steps(0.75, 0.42), dry_run=False)}
+    assert met["kernels_equal_references"]["met"] is False and met["kernels_equal_references"]["measured"] == "1/2"
+    assert met["greedy_float32_identical"]["met"] is True
+    assert met["greedy_float32_identical"]["measured"] == {"random": "8/8", "bundled": "8/8"}
+    assert met["greedy_bfloat16_drift"]["met"] is None and "bundled" in met["greedy_bfloat16_drift"]["why"]
+    assert met["paged_attention_bandwidth"] == {"id": "paged_attention_bandwidth", "goal": met["paged_attention_bandwidth"]["goal"],
+                                                "measured": 0.75, "met": True}
+    assert met["decode_roofline_batch64"]["measured"] == 0.42 and met["decode_roofline_batch64"]["met"] is False
+    steps = _device_steps(0.69, 0.5)
+    steps["parity"]["figures"]["bundled"]["bfloat16"] = dict(steps["parity"]["figures"]["random"]["bfloat16"])
+    steps["parity"]["figures"]["bundled"]["bfloat16"]["divergences"] = [
+        {"prompt": 0, "position": 2, "margin": 3.0, "margin_of_spread": 0.2}]  # no near-tie: a bug
+    met = {g["id"]: g for g in goals.evaluate(steps, dry_run=False)}
+    assert met["paged_attention_bandwidth"]["met"] is False and met["decode_roofline_batch64"]["met"] is True
+    assert met["greedy_bfloat16_drift"]["met"] is False
+    assert met["greedy_bfloat16_drift"]["measured"]["gaps"] == [0.001, 0.2]
+
+
+def test_markdown_renders_failures_and_errors() -> None:
+    from bench.gpu import goals, markdown
+
+    steps = _device_steps(0.75, 0.42)
+    doc = {"mode": "device", "timestamp": "t", "git_commit": None, "elapsed_s": 400.0, "steps": steps,
+           "goals": goals.evaluate(steps, dry_run=False)}
+    md = markdown.render(doc)
+    assert "# GPU check (device run)" in md and "## handoff: failed" in md
+    assert "killed after its time limit of 135 s" in md
+    assert "| matmuls | float32 | CompilationError: boom | – | **no** |" in md
+    assert "- bundled bfloat16: RuntimeError: x" in md
+    assert "| 256 | OutOfMemoryError: CUDA out of memory |" in md
+    assert "| Triton paged attention (K/V read) | 3225.000 | 0.750 |" in md
+    del steps["bandwidth"]["figures"]["copy"]  # a renderer missing a figure costs its section only
+    md = markdown.render(doc)
+    assert "(not rendered: KeyError: 'copy'" in md and "## throughput: ok" in md

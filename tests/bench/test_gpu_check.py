@@ -16,6 +16,8 @@ import pytest
 
 from bench.gpu.options import DRY, STEPS
 
+# One worker runs the module: the dry run (a few minutes of subprocesses) happens once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gpu_check")]
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_FAMILIES = {"paged_attention", "int8_kv_attention", "int8_kv_write", "write_kv", "pack_kv", "unpack_kv",
                    "int8_matmul", "int4_matmul"}

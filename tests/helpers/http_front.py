@@ -27,11 +27,12 @@ MODEL = "m"
 class FakeGateway(gateway_pb2_grpc.GatewayServicer):
     """Serves model ``m``: every Generate answers "a", "b" and stops for length."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = MODEL) -> None:
+        self.model = model
         self.requests: list[gateway_pb2.GenerateRequest] = []
 
     async def GetInfo(self, request: gateway_pb2.GetInfoRequest, context: object) -> gateway_pb2.GetInfoResponse:
-        return gateway_pb2.GetInfoResponse(model=MODEL, max_model_len=64)
+        return gateway_pb2.GetInfoResponse(model=self.model, max_model_len=64)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: object):  # noqa: ANN201
         self.requests.append(request)
@@ -89,9 +90,10 @@ class RunningFront:
 
 
 @contextmanager
-def running_front(**config: object) -> Iterator[RunningFront]:
-    """The front (``HttpConfig(**config)``) before a ``FakeGateway``, until the block ends."""
-    fake = FakeGateway()
+def running_front(model: str = MODEL, **config: object) -> Iterator[RunningFront]:
+    """The front (``HttpConfig(**config)``) before a ``FakeGateway`` serving ``model``, until
+    the block ends."""
+    fake = FakeGateway(model)
     ready: list[str] = []
     started = threading.Event()
     loop = asyncio.new_event_loop()

@@ -37,6 +37,9 @@ from plumbing.rpc import REQUEST_ID_KEY, check_request_id
 from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
+# gRPC metadata takes printable ASCII, at most 16 KiB in all (8 KiB before calls may fail).
+MAX_AUTHORIZATION_CHARS = 4096
+_PRINTABLE = frozenset(map(chr, range(0x20, 0x7F)))
 
 
 @dataclass
@@ -165,8 +168,9 @@ class Front:
                             headers=headers)
 
     async def _parse(self, request: Request, chat: bool) -> Parsed:
-        """The body read (at most ``max_body_bytes``), decoded and checked, before anything
-        else is done for the request."""
+        """The headers and the body (read up to ``max_body_bytes``, decoded and checked),
+        before anything else is done for the request."""
+        self._auth(request)
         body = await decode(await read_body(request.scope, request.receive, self.max_body_bytes))
         parsed = parse(body, chat, self.default_max_tokens)
         if not self.gateway.model:
@@ -181,9 +185,13 @@ class Front:
 
     def _auth(self, request: Request) -> tuple[tuple[str, str], ...]:
         """The client's ``Authorization`` (its API key is the gateway's to check), else the
-        front's own ``--token``."""
+        front's own ``--token``; ApiError 400 for a value gRPC metadata cannot carry."""
         authorization = request.headers.get("authorization")
-        return (("authorization", authorization),) if authorization else self.gateway.metadata
+        if not authorization:
+            return self.gateway.metadata
+        if len(authorization) > MAX_AUTHORIZATION_CHARS or not _PRINTABLE.issuperset(authorization):
+            raise bad_field("authorization", f"must be at most {MAX_AUTHORIZATION_CHARS} printable ASCII characters")
+        return (("authorization", authorization),)
 
     def _done(self, endpoint: str, response: Response) -> Response:
         if not isinstance(response, SSEResponse):  # a stream counts itself when it ends

@@ -16,7 +16,8 @@ is in every profile):
 * ``not_json``: empty, truncated, random bytes, JSON that is not an object, NaN;
 * ``unserved``: fields the server refuses (echo, tools, logit_bias, n > 8, penalties);
 * ``route``: unknown paths, wrong methods, GETs of /v1/models and /health, a bad
-  x-request-id;
+  x-request-id, an Authorization gRPC metadata cannot carry (latin-1, a tab, 20,000
+  characters), a garbled traceparent;
 * ``stream_cut``: a valid stream of 20-60 tokens whose connection is closed after 1-2 events.
 """
 
@@ -214,7 +215,9 @@ def route(rng: random.Random, target: Target) -> HttpCase:
         ("POST", "/v1/nope", ()), ("GET", COMPLETIONS, ()), ("PUT", CHAT, ()), ("DELETE", "/v1/models", ()),
         ("POST", "/", ()), ("GET", "/v1/models", ()), ("GET", "/health", ()), ("POST", "/v1/completions/", ()),
         ("POST", COMPLETIONS, (("x-request-id", "has space"),)), ("POST", COMPLETIONS, (("x-request-id", "a" * 200),)),
-        ("POST", COMPLETIONS, (("content-type", "text/plain"),)), ("GET", "/metrics", ())])
+        ("POST", COMPLETIONS, (("content-type", "text/plain"),)), ("GET", "/metrics", ()),
+        ("POST", COMPLETIONS, (("authorization", "Bearer \u00e9t\u00e9"),)), ("GET", "/v1/models", (("authorization", "a\tb"),)),
+        ("POST", CHAT, (("authorization", "Bearer " + "k" * 20_000),)), ("POST", COMPLETIONS, (("traceparent", "00-zz"),))])
     return HttpCase("route", method, path, lambda: raw if method in ("POST", "PUT") else b"", headers=headers)
 
 

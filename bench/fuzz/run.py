@@ -145,9 +145,7 @@ def _run(profile: FuzzProfile, seed: int, model: str, log_dir: str | None) -> di
         "--max-in-flight", str(profile.max_in_flight), "--heartbeat-period-ms", str(profile.heartbeat_period_ms)])
     results: list[Result] = []
     http_results: list[HttpResult] = []
-    cluster.start()
-    probe = HeartbeatProbe(cluster.addresses["gateway-internal"], profile.heartbeat_period_ms / 1000)
-    probe.start()
+    probe = HeartbeatProbe("", profile.heartbeat_period_ms / 1000)
 
     async def main() -> dict:
         try:
@@ -158,7 +156,10 @@ def _run(profile: FuzzProfile, seed: int, model: str, log_dir: str | None) -> di
         await cluster.close_channels()
         return loads
 
-    try:
+    try:  # a cluster that fails to start is stopped too (its started processes would outlive us)
+        cluster.start()
+        probe.address = cluster.addresses["gateway-internal"]
+        probe.start()
         loads = asyncio.run(main())
         cluster.check_crashes()
     finally:

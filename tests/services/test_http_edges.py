@@ -174,6 +174,17 @@ def test_chat_wrong_types_are_named(front: RunningFront) -> None:
     assert refused(front, CHAT, body)["param"] == "logprobs"
 
 
+@pytest.mark.parametrize("authorization", ["Bearer \u00e9t\u00e9", "Bearer a\tb", "Bearer a\x7fb", "x" * 20_000])
+def test_an_authorization_grpc_cannot_carry_is_400(front: RunningFront, authorization: str) -> None:
+    # Found by the fuzz family: gRPC refused such metadata (a 500 from an exception; a 20,000
+    # character key: RESOURCE_EXHAUSTED, a 429).
+    before = len(front.gateway.requests)
+    reply = front.post(COMPLETIONS, json.dumps({"model": MODEL, "prompt": "x"}).encode(),
+                       {"authorization": authorization})
+    assert reply.status == 400 and reply.error()["param"] == "authorization"
+    assert len(front.gateway.requests) == before
+
+
 # -- every other answer is OpenAI-shaped too; a bug is a logged 500 --------------------------
 def test_unknown_routes_and_methods_get_openai_bodies(front: RunningFront) -> None:
     missing = front.get("/v1/nope")

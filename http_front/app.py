@@ -1,8 +1,8 @@
 """The Starlette application: the OpenAI routes, each a client of the gateway's ``Generate``.
 
-One HTTP request is ``n`` gateway streams (``http_front/calls.py``). Its body is checked
-(``schema.py``), its ``x-request-id`` honoured or minted and sent on, its ``Authorization``
-passed on as the gateway's API key. The gateway validates, routes, applies stop strings and
+One HTTP request is ``n`` gateway streams (``http_front/calls.py``). Its body is read and
+checked first (``body.py``, ``schema.py``), its ``x-request-id`` honoured or minted and sent
+on, its ``Authorization`` passed on as the gateway's API key. The gateway validates, routes, applies stop strings and
 retries; nothing of that is repeated here. While a request runs, the handler also listens
 for the client's disconnect and cancels every stream when it comes, streaming or not.
 """

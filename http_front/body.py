@@ -3,8 +3,8 @@
 * At most ``max_bytes`` (``--max-body-bytes``): a ``content-length`` past it is refused
   before a byte of the body is read, and a body without one (chunked) is counted while it
   arrives from the ASGI ``receive``, so the front never holds more than the cap; 413 either
-  way. (uvicorn reads and drops the rest of a refused body, so the client, still writing,
-  gets the 413 rather than a reset connection.)
+  way. The rest of a refused body is dropped, not kept (``_drop_rest_before_close``), so a
+  client still writing reads its 413 rather than a reset connection.
 * Strict UTF-8 (RFC 8259): bytes that are not, encoded surrogates included, are a 400. A lone
   surrogate written as a JSON escape (``"\\ud800"``) decodes to a ``str`` that is not valid
   text; ``schema.Text`` refuses it, naming the field.
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from itertools import chain, compress, repeat
 from operator import is_
@@ -26,6 +27,8 @@ from starlette.types import Receive, Scope
 from http_front.errors import ApiError, bad_field, too_large
 
 MAX_JSON_DEPTH = 64  # an OpenAI body nests ~5 deep; a JSON schema inside one (response_format) a few dozen
+_DROP_BYTES = 64 << 20  # of a refused body, read and dropped so a closing client reads its 413
+_DROP_S = 30.0
 _OFF_LOOP_BYTES = 256 << 10  # decode a body this large on a thread (json.loads: ~50 ms per MiB)
 _CONTAINERS = frozenset({dict, list})  # what json.loads builds nested values of
 
@@ -35,6 +38,7 @@ async def read_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes:
     client leaves first)."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
+            await _drop_rest_before_close(scope, receive)
             raise too_large(max_bytes)
     chunks: list[bytes] = []
     size = 0
@@ -45,11 +49,35 @@ async def read_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes:
             raise ClientDisconnect
         chunk = message.get("body", b"")
         size += len(chunk)
+        more = message.get("more_body", False)
         if size > max_bytes:
+            if more:
+                await _drop_rest_before_close(scope, receive)
             raise too_large(max_bytes)
         chunks.append(chunk)
-        more = message.get("more_body", False)
     return b"".join(chunks)
+
+
+async def _drop_rest_before_close(scope: Scope, receive: Receive) -> None:
+    """Read and drop the rest of a refused body when the connection closes after the answer.
+
+    uvicorn closes such a connection (``connection: close``, HTTP/1.0) as soon as the answer
+    is sent, and bytes of the body still unread then make the kernel reset it: the client,
+    still writing, never reads its 413. On a keep-alive connection uvicorn drops the rest
+    itself, and a client that waits for ``100-continue`` sends nothing more. Bounded: past
+    ``_DROP_BYTES`` or ``_DROP_S``, the reset it is."""
+    headers = dict(scope.get("headers", ()))
+    closing = headers.get(b"connection", b"").lower() == b"close" or scope.get("http_version") == "1.0"
+    if not closing or b"100-continue" in headers.get(b"expect", b"").lower():
+        return
+    dropped = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(_DROP_S):
+            while dropped <= _DROP_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+                dropped += len(message.get("body", b""))
 
 
 async def decode(raw: bytes) -> object:

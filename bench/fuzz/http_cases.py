@@ -12,7 +12,7 @@ is in every profile):
   overlong, truncated, encoded surrogates) spliced into the body;
 * ``deep``: a field, or the whole body, nested 65 to 100,000 levels;
 * ``huge``: a body of 8-12 MB (a prompt, token ids or messages), with a content-length or
-  chunked; in ``large`` also bodies just under the default cap, which reach the gateway;
+  chunked, on a keep-alive connection or one the client closes; in ``large`` also bodies just under the default cap, which reach the gateway;
 * ``not_json``: empty, truncated, random bytes, JSON that is not an object, NaN;
 * ``unserved``: fields the server refuses (echo, tools, logit_bias, n > 8, penalties);
 * ``route``: unknown paths, wrong methods, GETs of /v1/models and /health, a bad
@@ -189,7 +189,8 @@ def huge(rng: random.Random, target: Target, size: int = 0) -> HttpCase:
         return head + unit * (room // len(unit)) + b" " * (room % len(unit)) + tail  # exactly size bytes
 
     path = CHAT if form == "messages" else COMPLETIONS
-    return HttpCase("huge", "POST", path, make, chunked=rng.random() < 0.5, huge=size > NEAR_CAP + 1)
+    close = (("connection", "close"),) if rng.random() < 0.25 else ()  # the server must drop the rest first
+    return HttpCase("huge", "POST", path, make, chunked=rng.random() < 0.5, headers=close, huge=size > NEAR_CAP + 1)
 
 
 def not_json(rng: random.Random, target: Target) -> HttpCase:

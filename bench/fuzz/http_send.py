@@ -3,8 +3,7 @@ chunked or not, a connection closed mid-stream), and judging each answer.
 
 The body is written while the answer is read, as a client that does not wait for
 ``100-continue`` would, so a server that answers a too-large body early is read, not
-deadlocked. Connections are keep-alive (``connection: close`` would have the server close
-with the client's bytes unread, which resets the connection and can lose the answer).
+deadlocked. One connection per case (keep-alive unless the case says ``connection: close``).
 
 A verdict per case: its status, and what is wrong with the answer, if anything:
 ``5xx`` (any status >= 500, or an error event of type ``server_error`` in a stream),

@@ -60,7 +60,9 @@ def _flood_cases(profile: FuzzProfile, seed: int, vocab_size: int) -> dict[str, 
 
 
 async def _families(cluster: ChaosCluster, profile: FuzzProfile, seed: int, target: Target,
-                    results: list[Result], http_results: list[HttpResult]) -> None:
+                    results: list[Result], http_results: list[HttpResult], phases: dict[str, float]) -> None:
+    """Every family; ``phases``: when each part began (monotonic), to place late heartbeats."""
+    phases["grpc"] = time.monotonic()
     decode, prefill = cluster.addresses["decode-0"], cluster.addresses["prefill-0"]
     targets = {"gateway": cluster.addresses["gateway"], "gateway-internal": cluster.addresses["gateway-internal"],
                "decode": decode, "prefill": prefill}
@@ -72,8 +74,10 @@ async def _families(cluster: ChaosCluster, profile: FuzzProfile, seed: int, targ
         (structured, profile.concurrency), (fuzz_cases.wire(profile, seed, bases), profile.concurrency)])
     # HTTP before the floods fill max_in_flight and the registry's cases add bogus workers.
     cases = http_cases(profile.http, seed, target, profile.http_near_cap)
+    phases["http"] = time.monotonic()
     http_results += await send_all(cluster.addresses["http"], cases, profile.concurrency)
     cluster.check_crashes()
+    phases["floods_and_registry"] = time.monotonic()
     families = [(c, len(c)) for c in _flood_cases(profile, seed, target.vocab_size).values()]
     await _send_families(cluster, targets, results,
                          [*families, (fuzz_cases.registry(profile, seed), profile.concurrency)])
@@ -91,9 +95,15 @@ async def _send_families(cluster: ChaosCluster, targets: dict[str, str], results
         cluster.check_crashes()
 
 
+def _phase_at(phases: dict[str, float], at: float) -> str:
+    """The part of the run under way at ``at`` (monotonic)."""
+    begun = [name for name, start in phases.items() if start <= at]
+    return max(begun, key=phases.__getitem__) if begun else "start"
+
+
 def summarize(profile: FuzzProfile, seed: int, results: list[Result], probe: HeartbeatProbe, loads: dict,
               cluster: ChaosCluster, load_start: tuple[float, ...], seconds: float,
-              http_results: list[HttpResult]) -> dict:
+              http_results: list[HttpResult], phases: dict[str, float]) -> dict:
     by_family: dict[str, Counter] = defaultdict(Counter)
     by_method: dict[str, Counter] = defaultdict(Counter)
     undocumented = []
@@ -109,7 +119,8 @@ def summarize(profile: FuzzProfile, seed: int, results: list[Result], probe: Hea
     heartbeat = {"period_ms": profile.heartbeat_period_ms, "beats": len(rtts), "failures": probe.failures,
                  "rtt_p50_ms": round(rtts[len(rtts) // 2] * 1000, 1) if rtts else None,
                  "rtt_max_ms": round(rtts[-1] * 1000, 1) if rtts else None,
-                 "late": sum(1 for r in rtts if r > period_s)}
+                 "late": sum(1 for r in rtts if r > period_s),
+                 "late_during": [_phase_at(phases, at) for at in probe.late_at]}
     checks = {"no_undocumented_status": not undocumented, "no_crash": not cluster.crashes,
               "no_leaked_blocks": leaked == 0 and all("unreachable" not in v for v in loads.values()),
               "heartbeat_never_late": heartbeat["late"] == 0 and probe.failures == 0 and bool(rtts)}
@@ -145,11 +156,12 @@ def _run(profile: FuzzProfile, seed: int, model: str, log_dir: str | None) -> di
         "--max-in-flight", str(profile.max_in_flight), "--heartbeat-period-ms", str(profile.heartbeat_period_ms)])
     results: list[Result] = []
     http_results: list[HttpResult] = []
+    phases: dict[str, float] = {}
     probe = HeartbeatProbe("", profile.heartbeat_period_ms / 1000)
 
     async def main() -> dict:
         try:
-            await _families(cluster, profile, seed, target, results, http_results)
+            await _families(cluster, profile, seed, target, results, http_results, phases)
         finally:
             probe.stop()
         loads = await drain(cluster, 30.0)
@@ -164,4 +176,5 @@ def _run(profile: FuzzProfile, seed: int, model: str, log_dir: str | None) -> di
         cluster.check_crashes()
     finally:
         cluster.stop()
-    return summarize(profile, seed, results, probe, loads, cluster, load_start, time.monotonic() - t0, http_results)
+    return summarize(profile, seed, results, probe, loads, cluster, load_start, time.monotonic() - t0, http_results,
+                     phases)

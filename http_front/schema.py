@@ -255,6 +255,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: none asked; else the number of top alternatives
+    body: Any = None  # the validated body (every group's fields), for what the response needs
 
 
 def parse(body: object, chat: bool, default_max_tokens: int) -> Parsed:
@@ -274,7 +275,7 @@ def parse(body: object, chat: bool, default_max_tokens: int) -> Parsed:
     options = fields.stream_options
     return Parsed(chat=chat, model=fields.model, requests=tuple(_choice(request, i) for i in range(fields.n or 1)),
                   stream=bool(fields.stream), include_usage=bool(options and options.include_usage),
-                  logprobs=fields.num_logprobs())
+                  logprobs=fields.num_logprobs(), body=fields)
 
 
 def _choice(request: gateway_pb2.GenerateRequest, index: int) -> gateway_pb2.GenerateRequest:

@@ -122,3 +122,31 @@ def test_unserved_fields_are_refused_only_when_set() -> None:
         with pytest.raises(ApiError) as caught:
             parse({"model": "m", "prompt": "x", name: {"x": 1}}, chat=False, default_max_tokens=16)
         assert caught.value.param == name
+
+
+def test_a_field_group_is_added_in_one_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What structured output does (docs/architecture.md, "Adding a field group"): a group
+    with its fields and ``apply``, added to the endpoint's tuple."""
+    from typing import Annotated
+
+    from pydantic import Field
+
+    from http_front import schema
+
+    class Tagged(schema.FieldGroup):
+        tag: schema.Text | None = None
+        weight: Annotated[int, Field(ge=0, le=schema.UINT32_MAX)] | None = None
+
+        def apply(self, request: gateway_pb2.GenerateRequest) -> None:
+            if self.weight is not None:
+                request.sampling.top_k = self.weight
+
+    groups = (*schema.COMPLETION_GROUPS, Tagged)
+    monkeypatch.setattr(schema, "COMPLETION_GROUPS", groups)
+    monkeypatch.setattr(schema, "CompletionBody", schema.body_model(groups, "CompletionBody"))
+    parsed = parse({"model": "m", "prompt": "x", "tag": "t", "weight": 7}, chat=False, default_max_tokens=4)
+    assert parsed.requests[0].sampling.top_k == 7 and parsed.body.tag == "t"
+    for bad, param in (({"weight": 2**32}, "weight"), ({"tag": "\ud800"}, "tag"), ({"tag": 1}, "tag")):
+        with pytest.raises(ApiError) as caught:
+            parse({"model": "m", "prompt": "x", **bad}, chat=False, default_max_tokens=4)
+        assert caught.value.param == param

@@ -24,7 +24,7 @@ from operator import is_
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope
 
-from http_front.errors import ApiError, bad_field, too_large
+from http_front.errors import bad_field, too_large
 
 MAX_JSON_DEPTH = 64  # an OpenAI body nests ~5 deep; a JSON schema inside one (response_format) a few dozen
 _DROP_BYTES = 64 << 20  # of a refused body, read and dropped so a closing client reads its 413

@@ -112,9 +112,12 @@ class TextPart(FieldGroup):
     text: Text
 
 
+Content = _either(Text, list[TextPart], "must be a string or a list of text parts")
+
+
 class ChatMessage(FieldGroup):
     role: Literal["system", "user", "assistant", "developer"]
-    content: _either(Text, list[TextPart], "must be a string or a list of text parts")
+    content: Content
 
 
 class ChatMessages(FieldGroup):

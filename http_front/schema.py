@@ -83,11 +83,14 @@ Prompt = Annotated[_either(Text, Annotated[list[Uint32], Field(min_length=1)], "
                    BeforeValidator(_one_prompt)]
 
 
-class FieldGroup(BaseModel):
-    """Some fields of a body and what they set on the gateway request. Strict (no coercion);
-    fields no group declares are ignored."""
+class Strict(BaseModel):
+    """A JSON object of a body: strict (no coercion); fields not declared are ignored."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class FieldGroup(Strict):
+    """Some top-level fields of a body and what they set on the gateway request."""
 
     def apply(self, request: gateway_pb2.GenerateRequest) -> None:
         """Write this group's fields into ``request``."""
@@ -107,7 +110,7 @@ class CompletionPrompt(FieldGroup):
             request.token_ids.ids.extend(self.prompt)
 
 
-class TextPart(FieldGroup):
+class TextPart(Strict):
     type: Literal["text"]
     text: Text
 
@@ -115,7 +118,7 @@ class TextPart(FieldGroup):
 Content = _either(Text, list[TextPart], "must be a string or a list of text parts")
 
 
-class ChatMessage(FieldGroup):
+class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "developer"]
     content: Content
 
@@ -210,7 +213,7 @@ class ChatLogprobs(FieldGroup):
     apply = CompletionLogprobs.apply
 
 
-class StreamOptions(FieldGroup):
+class StreamOptions(Strict):
     include_usage: bool | None = None
 
 

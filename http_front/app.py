@@ -1,8 +1,8 @@
 """The Starlette application: the OpenAI routes, each a client of the gateway's ``Generate``.
 
-One HTTP request is ``n`` gateway streams (``http_front/calls.py``). Its body is checked
-(``schema.py``), its ``x-request-id`` honoured or minted and sent on, its ``Authorization``
-passed on as the gateway's API key. The gateway validates, routes, applies stop strings and
+One HTTP request is ``n`` gateway streams (``http_front/calls.py``). Its body is read and
+checked first (``body.py``, ``schema.py``), its ``x-request-id`` honoured or minted and sent
+on, its ``Authorization`` passed on as the gateway's API key. The gateway validates, routes, applies stop strings and
 retries; nothing of that is repeated here. While a request runs, the handler also listens
 for the client's disconnect and cancels every stream when it comes, streaming or not.
 """
@@ -19,14 +19,16 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from http_front import responses as out
+from http_front.body import decode, read_body
 from http_front.calls import Calls
-from http_front.errors import ApiError, bad_field, from_rpc
+from http_front.errors import ApiError, ErrorResponse, Guard, bad_field, from_rpc, http_exception, server_error
 from http_front.metrics import FrontMetrics
 from http_front.schema import Parsed, parse
 from plumbing import tracing
@@ -36,6 +38,9 @@ from plumbing.rpc import REQUEST_ID_KEY, check_request_id
 from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
+# gRPC metadata takes printable ASCII, at most 16 KiB in all (8 KiB before calls may fail).
+MAX_AUTHORIZATION_CHARS = 4096
+_PRINTABLE = frozenset(map(chr, range(0x20, 0x7F)))
 
 
 @dataclass
@@ -65,26 +70,27 @@ class Gateway:
 
 
 def error_response(error: ApiError, request_id: str | None = None) -> JSONResponse:
-    headers = {REQUEST_ID_KEY: request_id} if request_id else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return ErrorResponse(error, {REQUEST_ID_KEY: request_id} if request_id else None)
 
 
 class Front:
     """The routes (event-loop owned)."""
 
-    def __init__(self, gateway: Gateway, metrics: FrontMetrics, default_max_tokens: int) -> None:
+    def __init__(self, gateway: Gateway, metrics: FrontMetrics, default_max_tokens: int, max_body_bytes: int) -> None:
         self.gateway = gateway
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
+        self.max_body_bytes = max_body_bytes
 
-    def app(self) -> Starlette:
-        return Starlette(routes=[
+    def app(self) -> Guard:
+        """The routes; every refusal an OpenAI error body, and a bug a logged 500 (``errors.Guard``)."""
+        return Guard(Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: http_exception, Exception: server_error}))
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -127,6 +133,8 @@ class Front:
             parsed = await self._parse(request, chat)
         except ApiError as exc:
             return self._done(endpoint, error_response(exc, request_id))
+        except ClientDisconnect:
+            return self._done(endpoint, Response(status_code=499))
         with tracing.http_span(f"POST {request.url.path}", request.headers):
             return await self._run(request, parsed, endpoint, request_id)
 
@@ -162,10 +170,10 @@ class Front:
                             headers=headers)
 
     async def _parse(self, request: Request, chat: bool) -> Parsed:
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_field("body", f"is not valid JSON ({exc})") from None
+        """The headers and the body (read up to ``max_body_bytes``, decoded and checked),
+        before anything else is done for the request."""
+        self._auth(request)
+        body = await decode(await read_body(request.scope, request.receive, self.max_body_bytes))
         parsed = parse(body, chat, self.default_max_tokens)
         if not self.gateway.model:
             await self.gateway.refresh(self._auth(request))
@@ -179,9 +187,13 @@ class Front:
 
     def _auth(self, request: Request) -> tuple[tuple[str, str], ...]:
         """The client's ``Authorization`` (its API key is the gateway's to check), else the
-        front's own ``--token``."""
+        front's own ``--token``; ApiError 400 for a value gRPC metadata cannot carry."""
         authorization = request.headers.get("authorization")
-        return (("authorization", authorization),) if authorization else self.gateway.metadata
+        if not authorization:
+            return self.gateway.metadata
+        if len(authorization) > MAX_AUTHORIZATION_CHARS or not _PRINTABLE.issuperset(authorization):
+            raise bad_field("authorization", f"must be at most {MAX_AUTHORIZATION_CHARS} printable ASCII characters")
+        return (("authorization", authorization),)
 
     def _done(self, endpoint: str, response: Response) -> Response:
         if not isinstance(response, SSEResponse):  # a stream counts itself when it ends

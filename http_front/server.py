@@ -32,7 +32,10 @@ log = structlog.get_logger()
 
 
 def gateway_channel(config: HttpConfig) -> grpc.aio.Channel:
-    options = channel_options() + LOAD_BALANCING  # every gateway the address names, round-robin
+    """The channel to every gateway the address names (round-robin); its send limit follows
+    ``--max-body-bytes``."""
+    options = [o for o in channel_options() if o[0] != "grpc.max_send_message_length"]
+    options += [("grpc.max_send_message_length", config.max_send_bytes), *LOAD_BALANCING]
     target = gateway_target(config.gateway)
     if config.tls is None:
         return grpc.aio.insecure_channel(target, options=options, interceptors=tracing.client_interceptors())
@@ -58,7 +61,7 @@ async def serve_http(config: HttpConfig) -> None:
     install_loop_exception_handler()
     channel = gateway_channel(config)
     gateway = Gateway(channel, bearer_metadata(config.token), config.timeout_s, resume=config.resume)
-    front = Front(gateway, FrontMetrics.create(), config.default_max_tokens)
+    front = Front(gateway, FrontMetrics.create(), config.default_max_tokens, config.max_body_bytes)
     sock = _bind(config.host, config.port)
     address = f"{config.host}:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(front.app(), log_config=None, access_log=False, lifespan="off",

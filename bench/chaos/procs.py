@@ -141,5 +141,6 @@ class ChaosCluster(Cluster):
             return None
 
     def workers(self) -> list[str]:
-        return [n for n in self.procs if n != "gateway"]
+        """The prefill and decode workers (not the gateway, nor an HTTP front)."""
+        return [n for n in self.procs if self.role(n) in ("prefill", "decode")]
 

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))
     keys = ("cases", "statuses", "by_family", "undocumented", "undocumented_examples", "crashes", "leaked_blocks",
-            "heartbeat", "checks", "load_average", "seconds")
+            "heartbeat", "http", "checks", "load_average", "seconds")
     sys.stdout.write(json.dumps({k: report[k] for k in keys}, indent=2, default=str) + f"\nreport: {out}\n")
     return 0 if report["passed"] else 1
 

@@ -66,6 +66,7 @@ class HeartbeatProbe:
     address: str
     period_s: float
     rtts: list[float] = field(default_factory=list)
+    late_at: list[float] = field(default_factory=list)  # monotonic times of the answers later than a period
     failures: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -84,6 +85,8 @@ class HeartbeatProbe:
                 try:
                     stub.Heartbeat(beat, timeout=30)
                     self.rtts.append(time.monotonic() - start)
+                    if self.rtts[-1] > self.period_s:
+                        self.late_at.append(start)
                 except grpc.RpcError:
                     self.failures += 1
 

@@ -136,7 +136,7 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI, cluster: Cluster, stre
 BAD_FIELDS = [
     ({"temperature": "hot"}, "temperature"),  # checked by the front
     ({"max_tokens": 5000}, "max_tokens"),  # checked by the gateway (past max_model_len), mapped back
-    ({"stop": [1, 2]}, "stop"),
+    ({"stop": [1, 2]}, "stop[0]"),  # the element is named
     ({"n": 0}, "n"),
 ]
 

@@ -39,12 +39,12 @@ BAD = [
     ({"prompt": "x"}, "model"),
     ({"model": "m"}, "prompt"),
     ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
-    ({"model": "m", "prompt": [1, -2]}, "prompt"),
+    ({"model": "m", "prompt": [1, -2]}, "prompt[1]"),
     ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": "m", "prompt": "x", "max_tokens": 2.5}, "max_tokens"),
     ({"model": "m", "prompt": "x", "temperature": 3}, "temperature"),
     ({"model": "m", "prompt": "x", "temperature": True}, "temperature"),
-    ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),
+    ({"model": "m", "prompt": "x", "stop": [1]}, "stop[0]"),
     ({"model": "m", "prompt": "x", "n": 9}, "n"),
     ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
@@ -94,3 +94,59 @@ def test_request_ids_are_checked_for_length_and_charset() -> None:
     for bad in ("", "a" * 129, "has space", "new\nline", '{"json": 1}', "caf\u00e9"):
         with pytest.raises(ValueError, match="x-request-id"):
             check_request_id(bad)
+
+
+def test_the_first_error_in_field_group_order_is_reported() -> None:
+    with pytest.raises(ApiError) as caught:  # model (first group) before prompt before max_tokens
+        parse({"model": 3, "prompt": 3, "max_tokens": "x"}, chat=False, default_max_tokens=16)
+    assert caught.value.param == "model"
+    with pytest.raises(ApiError) as caught:
+        parse({"model": "m", "prompt": 3, "max_tokens": "x"}, chat=False, default_max_tokens=16)
+    assert caught.value.param == "prompt" and "string or a list of token ids" in caught.value.message
+
+
+def test_error_locations_become_parameter_paths() -> None:
+    from http_front.errors import param_path
+
+    assert param_path(("messages", 0, "content", "<list>", 2, "text")) == "messages[0].content[2].text"
+    assert param_path(("prompt", "<list>", 3)) == "prompt[3]"
+    assert param_path(("stream_options", "include_usage")) == "stream_options.include_usage"
+    assert param_path(()) == "body"
+
+
+def test_unserved_fields_are_refused_only_when_set() -> None:
+    parsed = parse({"model": "m", "prompt": "x", "echo": False, "tools": [], "logit_bias": {}, "best_of": None},
+                   chat=False, default_max_tokens=16)
+    assert parsed.requests[0].text == "x"
+    for name in ("tools", "response_format", "logit_bias"):
+        with pytest.raises(ApiError) as caught:
+            parse({"model": "m", "prompt": "x", name: {"x": 1}}, chat=False, default_max_tokens=16)
+        assert caught.value.param == name
+
+
+def test_a_field_group_is_added_in_one_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What structured output does (docs/architecture.md, "Adding a field group"): a group
+    with its fields and ``apply``, added to the endpoint's tuple."""
+    from typing import Annotated
+
+    from pydantic import Field
+
+    from http_front import schema
+
+    class Tagged(schema.FieldGroup):
+        tag: schema.Text | None = None
+        weight: Annotated[int, Field(ge=0, le=schema.UINT32_MAX)] | None = None
+
+        def apply(self, request: gateway_pb2.GenerateRequest) -> None:
+            if self.weight is not None:
+                request.sampling.top_k = self.weight
+
+    groups = (*schema.COMPLETION_GROUPS, Tagged)
+    monkeypatch.setattr(schema, "COMPLETION_GROUPS", groups)
+    monkeypatch.setattr(schema, "CompletionBody", schema.body_model(groups, "CompletionBody"))
+    parsed = parse({"model": "m", "prompt": "x", "tag": "t", "weight": 7}, chat=False, default_max_tokens=4)
+    assert parsed.requests[0].sampling.top_k == 7 and parsed.body.tag == "t"
+    for bad, param in (({"weight": 2**32}, "weight"), ({"tag": "\ud800"}, "tag"), ({"tag": 1}, "tag")):
+        with pytest.raises(ApiError) as caught:
+            parse({"model": "m", "prompt": "x", **bad}, chat=False, default_max_tokens=4)
+        assert caught.value.param == param

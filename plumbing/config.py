@@ -7,12 +7,14 @@ The environment is read when the parser is built inside ``main()``, never at imp
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
+from plumbing.discovery import parse_source
 from plumbing.tls import TlsConfig
 
 TRANSPORTS = ("auto", "gloo", "nccl")
@@ -44,10 +46,27 @@ class SecurityConfig:
     api_keys_file: str | None = None  # gateway: accepted API keys, one a line
     internal_secret: str | None = None  # the shared secret of internal ports
     internal_secret_file: str | None = None
+    # Serve internal ports on a non-loopback address with neither mTLS nor the shared secret
+    # (refused otherwise: ServerConfig).
+    insecure_internal: bool = False
 
     def __post_init__(self) -> None:
         if self.tls.ca_file is not None and not self.tls.enabled:
             raise ValueError("tls_ca needs tls_cert and tls_key: a service presents its own certificate (mTLS)")
+
+    @property
+    def authenticates_internal(self) -> bool:
+        """Internal ports ask callers for mTLS or the shared secret."""
+        return bool(self.internal_secret or self.internal_secret_file) or (self.tls.enabled and self.tls.mutual)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,11 @@ class ServerConfig:
         for name in ("drain_grace_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (is_loopback(self.host) or self.security.authenticates_internal or self.security.insecure_internal):
+            raise ValueError(
+                f"host {self.host} is not a loopback address and the internal port has no authentication: "
+                "give --internal-secret-file (or --tls-cert, --tls-key and --tls-ca for mTLS), or "
+                "--insecure-internal to serve it open to anyone who can reach it")
 
     @property
     def public_host(self) -> str:
@@ -88,7 +112,8 @@ class WorkerConfig:
 
     server: ServerConfig
     engine: EngineConfig
-    gateway: str  # host:port of the gateway's registry
+    gateway: str  # the gateways' registries: a discovery source (plumbing/discovery.py)
+    gateway_refresh_s: float = 1.0  # ask the discovery source again this often
     transport: str = "auto"  # auto: nccl on CUDA, gloo otherwise
     transfer_timeout_s: float = 30.0  # one channel operation (one message), and AwaitTransfer
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
@@ -100,6 +125,9 @@ class WorkerConfig:
     fault_transfer_stall_s: float = 0.0
 
     def __post_init__(self) -> None:
+        parse_source(self.gateway, "gateway")  # ValueError naming the flag
+        if not self.gateway_refresh_s > 0:
+            raise ValueError(f"gateway_refresh_s must be > 0, got {self.gateway_refresh_s}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transfer_timeout_s <= 0:
@@ -226,6 +254,9 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
              help="shared secret required on internal ports and sent by internal clients "
                   "(prefer the variable or --internal-secret-file)")
     add_flag(p, "--internal-secret-file", default=None, help="file holding the internal shared secret")
+    add_flag(p, "--insecure-internal", action="store_true",
+             help="serve the internal port on a non-loopback --host with no authentication (refused "
+                  "without this flag; logs a warning)")
 
 
 def add_tls_flags(p: argparse.ArgumentParser) -> None:
@@ -248,6 +279,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tls=tls_config(args), api_keys=getattr(args, "api_keys", None),
         api_keys_file=getattr(args, "api_keys_file", None),
         internal_secret=args.internal_secret, internal_secret_file=args.internal_secret_file,
+        insecure_internal=args.insecure_internal,
     )
     return ServerConfig(
         host=args.host, port=args.port, advertise_host=args.advertise_host,
@@ -300,7 +332,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_server_flags(p, default_port=0)
     add_engine_flags(p, default_model)
-    add_flag(p, "--gateway", default="127.0.0.1:50052", help="the gateway's internal address (its registry)")
+    add_flag(p, "--gateway", default="127.0.0.1:50052",
+             help="the gateways' internal addresses (their registries); the worker registers with each: "
+                  "host:port[,host:port...], dns:///name:port (every A/AAAA record; dns://server:port/name:port "
+                  "asks that server), or kubernetes:///service.namespace:port (EndpointSlices)")
+    add_flag(p, "--gateway-refresh-s", type=float, default=1.0,
+             help="ask --gateway's DNS name or EndpointSlices again this often")
     add_flag(p, "--transport", default="auto", choices=list(TRANSPORTS), help="KV transport")
     add_flag(p, "--transfer-timeout-s", type=float, default=30.0, help="KV channel op timeout")
     add_flag(p, "--max-reservations-per-request", type=int, default=8,
@@ -316,6 +353,7 @@ def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         server=server_config(args), engine=engine_config(args), gateway=args.gateway,
+        gateway_refresh_s=args.gateway_refresh_s,
         transport=args.transport, transfer_timeout_s=args.transfer_timeout_s,
         max_reservations_per_request=args.max_reservations_per_request,
         fault_transfer_stall_s=args.fault_transfer_stall_s, kv_chunk_bytes=args.kv_chunk_bytes,

@@ -332,7 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     hc.set_defaults(func=_health)
 
     up = sub.add_parser("up", help="run gateway + prefill + decode workers on this machine")
-    cfg.add_flag(up, "--port", type=int, default=50051, help="gateway port")
+    cfg.add_flag(up, "--port", type=int, default=50051, help="gateway port (the first gateway's; the others: free ports)")
+    cfg.add_flag(up, "--num-gateways", type=int, default=1,
+                 help="gateway replicas; every worker registers with each (each answers any request)")
     cfg.add_flag(up, "--num-prefill", type=int, default=1, help="prefill workers")
     cfg.add_flag(up, "--num-decode", type=int, default=1, help="decode workers")
     cfg.add_flag(up, "--model", default=default_model(), help="checkpoint directory or .gguf file")

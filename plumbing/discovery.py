@@ -5,7 +5,8 @@ A worker registers with, and heartbeats to, every gateway its source names
 ``--gateway-refresh-s``. ``--gateway`` picks it by its form::
 
     host:port[,host:port...]               a static list
-    dns:///name:port                       every A and AAAA record of name (the system's resolver)
+    dns:///name:port                       every A and AAAA record of name (the system's resolver and
+                                           its search domains: a Service's short name works)
     dns://server[:port]/name:port          the same, asking that DNS server
     kubernetes:///service.namespace:port   the Service's EndpointSlices (in-cluster credentials);
                                            port: a number, or the name of the Service's port
@@ -77,8 +78,9 @@ class DnsSource:
     def _resolver(self) -> Any:
         import dns.asyncresolver
 
-        if self.server is None:
+        if self.server is None:  # a short name gets the search domains (a Service's name in its namespace)
             resolver = dns.asyncresolver.Resolver()
+            resolver.use_search_by_default = True
         else:
             resolver = dns.asyncresolver.Resolver(configure=False)
             resolver.nameservers = [self.server[0]]
@@ -95,7 +97,7 @@ class DnsSource:
         hosts: set[str] = set()
         for rdtype in ("A", "AAAA"):
             try:
-                answer = await resolver.resolve(self.name, rdtype, search=False)
+                answer = await resolver.resolve(self.name, rdtype)
             except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
                 continue  # none of this type: an answer
             except dns.exception.DNSException as exc:  # timeout, no server answered

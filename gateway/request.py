@@ -6,6 +6,12 @@ Everything about a request that outlives one routing attempt lives here, so an a
 reached the client is a *migration*: it continues the request from what was sent
 (``attempt_prompt``: the prompt plus the sent tokens; ``attempt_stopping``: the budgets
 counted down; ``num_sent`` tokens whose draws a seeded generator skips).
+
+A *resumed* request (``GenerateRequest.resume``: its client lost a stream, maybe on another
+gateway) starts as a migration does: ``resume`` puts the tokens the client already has in
+``token_ids`` and replays them through the ``TextStream`` (their text is the client's too), so
+every attempt prefills prompt + those tokens, the budgets count them and a seeded generator
+skips their draws; only what follows them is sent.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class GatewayRequest:
     excluded: set[int] = field(default_factory=set)  # workers that failed this request
     token_ids: list[int] = field(default_factory=list)  # generated and sent to the client
     migrations: int = 0  # continuations on another decode worker after tokens were sent
+    num_resumed_tokens: int = 0  # the first of token_ids, which the client had before this request (resume)
     block_hashes: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)  # by (block size, prompt length): routing
     last_emit: float = 0.0
     first_token_at: float = 0.0
@@ -50,8 +57,26 @@ class GatewayRequest:
 
     @property
     def streamed(self) -> bool:
-        """True once any token reached the client (a failure then migrates the request)."""
-        return bool(self.token_ids)
+        """True once this request sent a token (a failure then migrates the request)."""
+        return len(self.token_ids) > self.num_resumed_tokens
+
+    def resume(self) -> None:
+        """Take the validated ``resume.token_ids`` as already sent (their text included)."""
+        ids = list(self.validated.resume_token_ids)
+        self.token_ids = ids
+        self.num_resumed_tokens = len(ids)
+        self.text.add(ids)  # the client has this text (or holds it back, as we now do)
+        if self.validated.num_resumes:
+            self.metrics.resumes.inc()
+
+    def finished_on_resume(self, eos_token_ids: tuple[int, ...]) -> int | None:
+        """The finish reason of a resumed request whose tokens already end it (the client's
+        stream broke before the final chunk); None when it must go on."""
+        if not self.num_resumed_tokens:
+            return None
+        if self.text.stopped:
+            return common_pb2.FINISH_REASON_STOP
+        return self.finished_by_sent(eos_token_ids)
 
     @property
     def attempt_prompt(self) -> list[int]:
@@ -110,6 +135,7 @@ class GatewayRequest:
             if not self.migrations:  # the pages were written on the decode side after the last send
                 timings.transfer_us = max(timings.transfer_us, decode_timings.transfer_us)
         timings.migrations = self.migrations
+        timings.resumes = self.validated.num_resumes
         now = time.monotonic()
         timings.first_token_us = int(((self.first_token_at or now) - self.start) * 1e6)
         timings.total_us = int((now - self.start) * 1e6)

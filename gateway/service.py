@@ -7,7 +7,8 @@ A failure before any token reached the client is retried on other workers (up to
 request (up to ``max_migrations`` times): another decode worker prefills the prompt plus
 the tokens already sent and streams on from there, so the client sees every token once and
 no gap; the request's ``TextStream`` carries the text and stop strings across. Past the
-budget (or with no survivor) the stream ends with UNAVAILABLE.
+budget (or with no survivor) the stream ends with UNAVAILABLE. A *resumed* request (its client
+lost a stream, on this gateway or another) starts as such a migration (``GatewayRequest.resume``).
 
 The event loop stays free for heartbeats: tokenizing and chat rendering run on one
 tokenizer thread (HF fast tokenizers are not safe to call concurrently; the byte cap of
@@ -109,6 +110,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         req = GatewayRequest(rid, validated, TextStream(self.tokenizer, validated.prompt_token_ids,
                                                         validated.stop_strings),
                              metadata, context.time_remaining, self.metrics)
+        req.resume()  # a resumed request: the tokens (and text) its client already has
         self.num_in_flight += 1
         self.metrics.in_flight.inc()
         outcome = "error"
@@ -148,6 +150,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     async def _with_retries(self, req: GatewayRequest) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         last: LegFailed | None = None
+        resumed_finish = req.finished_on_resume(self.limits.eos_token_ids)
+        if resumed_finish is not None:  # its stream broke after the last token, before the final chunk
+            yield req.final(resumed_finish, None)
+            return
         if not self.registry.live(common_pb2.WORKER_ROLE_DECODE):  # just (re)started: let workers register
             remaining = req.time_remaining()
             wait_s = self.registry.startup_left_s()

@@ -4,6 +4,12 @@ Tokens arrive in chunks; text is detokenized incrementally. When stop strings ar
 last ``max_len - 1`` characters are held back (they might be the start of a stop string)
 until more text or the end of the stream decides. A match truncates the text before the
 stop string and ends the request with FINISH_REASON_STOP.
+
+Tokens are fed to the detokenizer and matched against the stop strings one at a time, however
+they arrived, so the text handed out after n tokens depends on those n tokens alone, not on
+how they were chunked. A resumed request (``GenerateRequest.resume``) relies on it: the
+gateway replays the tokens the client already has (``add`` with the text discarded) and is in
+the state the broken stream was in, held-back text included.
 """
 
 from __future__ import annotations
@@ -23,10 +29,19 @@ class TextStream:
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> str:
-        """Feed tokens; return the text now safe to send. Sets ``stopped`` on a stop string."""
-        if self._detok is None or self.stopped:
+        """Feed tokens; return the text now safe to send. Sets ``stopped`` on a stop string
+        (the tokens after it add no text)."""
+        if self._detok is None:
             return ""
-        self.text += self._detok.add(list(token_ids))
+        out = []
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            out.append(self._add_one(token_id))
+        return "".join(out)
+
+    def _add_one(self, token_id: int) -> str:
+        self.text += self._detok.add([token_id])  # type: ignore[union-attr]
         if self._stops:
             search_from = max(0, self._emitted - self._holdback)
             hits = [i for i in (self.text.find(s, search_from) for s in self._stops) if i >= 0]

@@ -28,6 +28,8 @@ class ValidatedRequest:
     stop_strings: tuple[str, ...]
     sampling: common_pb2.SamplingParams
     stopping: common_pb2.StoppingCriteria
+    resume_token_ids: tuple[int, ...] = ()  # GenerateRequest.resume: tokens the client has
+    num_resumes: int = 0  # resume.num_previous_resumes + 1 when resumed, else 0
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,29 @@ def finish(request: gateway_pb2.GenerateRequest, prompt: list[int], limits: Limi
     if request.WhichOneof("prompt") == "chat" and chat is not None and not params.ignore_eos:
         end_ids = tuple(t for t in chat.end_of_turn_ids if t not in params.stop_token_ids)
         params = replace(params, stop_token_ids=params.stop_token_ids + end_ids)
-    return ValidatedRequest(prompt, params, tuple(request.stopping.stop_strings), *sampling_params_to_proto(params))
+    sampling, stopping = sampling_params_to_proto(params)
+    resumed = request.HasField("resume")
+    return ValidatedRequest(prompt, params, tuple(request.stopping.stop_strings), sampling, stopping,
+                            resume_token_ids=check_resume(request.resume, params, limits) if resumed else (),
+                            num_resumes=request.resume.num_previous_resumes + 1 if resumed else 0)
+
+
+def check_resume(resume: gateway_pb2.Resume, params: SamplingParams, limits: Limits) -> tuple[int, ...]:
+    """``resume.token_ids`` if an unbroken stream of this request could have sent them:
+    at most max_new_tokens, each in the vocabulary, no stop token before the last one (the
+    engine ends the request at a stop token once min_new_tokens are reached)."""
+    ids = tuple(resume.token_ids)
+    if len(ids) > params.max_tokens:
+        raise ValueError(f"resume.token_ids: {len(ids)} tokens, more than stopping.max_new_tokens={params.max_tokens}")
+    bad = next((i for i, t in enumerate(ids) if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"resume.token_ids[{bad}]: {ids[bad]} is outside the vocabulary (size {limits.vocab_size})")
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(limits.eos_token_ids))
+    early = next((i for i, t in enumerate(ids[:-1]) if t in stops and i + 1 >= params.min_tokens), None)
+    if early is not None:
+        raise ValueError(f"resume.token_ids[{early}]: {ids[early]} is a stop token, which ends the request, "
+                         "yet tokens follow it")
+    return ids
 
 
 def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limits,

@@ -31,6 +31,7 @@ from http_front.metrics import FrontMetrics
 from http_front.schema import Parsed, parse
 from plumbing import tracing
 from plumbing.identity import mint_id
+from plumbing.resume import ResumePolicy
 from plumbing.rpc import REQUEST_ID_KEY, check_request_id
 from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -46,6 +47,7 @@ class Gateway:
     timeout_s: float
     model: str = ""
     max_model_len: int = 0
+    resume: ResumePolicy = ResumePolicy()  # continuing a stream whose gateway died
 
     @property
     def stub(self) -> gateway_pb2_grpc.GatewayStub:
@@ -132,7 +134,7 @@ class Front:
         """Open the gateway streams (inside the request's span: they carry its traceparent)
         and answer; a stream's calls are the ``SSEResponse``'s to cancel."""
         calls = Calls(self.gateway.stub, parsed.requests, self._metadata(request, request_id),
-                      self.gateway.timeout_s)
+                      self.gateway.timeout_s, self.gateway.resume)
         self.metrics.in_flight.inc()
         response: Response | None = None
         try:

@@ -23,6 +23,7 @@ from http_front.metrics import FrontMetrics
 from plumbing import tracing
 from plumbing.auth import bearer_metadata
 from plumbing.logs import install_loop_exception_handler
+from plumbing.resume import LOAD_BALANCING, gateway_target
 from plumbing.rpc import channel_options
 from plumbing.servers import write_ready_file
 from plumbing.tls import load_material
@@ -31,13 +32,14 @@ log = structlog.get_logger()
 
 
 def gateway_channel(config: HttpConfig) -> grpc.aio.Channel:
-    options = channel_options()
+    options = channel_options() + LOAD_BALANCING  # every gateway the address names, round-robin
+    target = gateway_target(config.gateway)
     if config.tls is None:
-        return grpc.aio.insecure_channel(config.gateway, options=options, interceptors=tracing.client_interceptors())
+        return grpc.aio.insecure_channel(target, options=options, interceptors=tracing.client_interceptors())
     m = load_material(config.tls)
     if config.tls.server_name:
         options.append(("grpc.ssl_target_name_override", config.tls.server_name))
-    return grpc.aio.secure_channel(config.gateway, grpc.ssl_channel_credentials(m.ca, m.key, m.cert), options=options,
+    return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(m.ca, m.key, m.cert), options=options,
                                    interceptors=tracing.client_interceptors())
 
 
@@ -55,7 +57,7 @@ async def serve_http(config: HttpConfig) -> None:
     """Serve until SIGTERM/SIGINT (uvicorn's handlers: stop accepting, let requests finish)."""
     install_loop_exception_handler()
     channel = gateway_channel(config)
-    gateway = Gateway(channel, bearer_metadata(config.token), config.timeout_s)
+    gateway = Gateway(channel, bearer_metadata(config.token), config.timeout_s, resume=config.resume)
     front = Front(gateway, FrontMetrics.create(), config.default_max_tokens)
     sock = _bind(config.host, config.port)
     address = f"{config.host}:{sock.getsockname()[1]}"

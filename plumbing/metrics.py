@@ -96,6 +96,7 @@ class GatewayMetrics:
     workers: Gauge
     retries: Counter
     migrations: Counter
+    resumes: Counter
     routing: RoutingMetrics
     auth_failures: Counter
 
@@ -125,6 +126,9 @@ class GatewayMetrics:
             retries=Counter("splitserve_request_retries", "Requests re-routed before any token", registry=r),
             migrations=Counter("splitserve_request_migrations",
                                "Streams continued on another decode worker after tokens were sent", registry=r),
+            resumes=Counter("splitserve_request_resumes",
+                            "Requests a client sent again to continue a broken stream (GenerateRequest.resume)",
+                            registry=r),
             auth_failures=auth_failures_counter(r),
         )
 

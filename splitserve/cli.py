@@ -262,7 +262,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--chat", default=None, metavar="MESSAGE",
                      help="a user message: the model's chat template is applied, the answer streamed")
     gen.add_argument("--system", default=None, help="(--chat) a system message before it")
-    cfg.add_flag(gen, "--gateway", default="127.0.0.1:50051", help="gateway address")
+    cfg.add_flag(gen, "--gateway", default="127.0.0.1:50051", help="gateway address (several: comma-separated IP:port, or one DNS name resolving to all; a broken stream resumes on another)")
     add_client_security_flags(gen)
     gen.add_argument("--wait-s", type=float, default=60.0,
                      help="wait this long for the gateway and a decode worker to be up")

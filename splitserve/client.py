@@ -1,17 +1,25 @@
-"""A small gRPC client for the gateway: the ``generate`` command, the tests and the benchmark."""
+"""A small gRPC client for the gateway: the ``generate`` command, the tests and the benchmark.
+
+``GatewayClient`` streams ``Generate`` from one gateway or several and continues a stream whose
+gateway died on another one (or the same one once it is back), sending the tokens already
+received (``GenerateRequest.resume``; the logic is ``plumbing/resume.py``'s, shared with the
+HTTP front): each token reaches the caller once, and greedy or seeded output equals the
+unbroken stream's.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from plumbing.auth import bearer_metadata
+from plumbing.resume import LOAD_BALANCING, BrokenStream, ResumableStream, ResumePolicy, gateway_target
 from plumbing.rpc import channel_options
 from plumbing.tls import TlsConfig, load_material
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -47,6 +55,49 @@ class ClientAuth:
             tls = TlsConfig(cert_file=args.tls_cert, key_file=args.tls_key, ca_file=args.tls_ca,
                             server_name=args.tls_server_name)
         return cls(tls=tls, token=args.token)
+
+
+class GatewayClient:
+    """``Generate`` that outlives its gateway. ``addresses``: one address (a DNS name is
+    resolved to all its A/AAAA records, ``dns:///name:port`` re-resolved as gRPC does), or
+    several IP ``addr:port`` (a list or comma-separated); calls go round-robin over those up."""
+
+    def __init__(self, addresses: str | Sequence[str], auth: ClientAuth | None = None,
+                 policy: ResumePolicy = ResumePolicy()) -> None:
+        self.auth = auth or ClientAuth()
+        self.policy = policy
+        self.channel = self.auth.channel(gateway_target(addresses), channel_options() + LOAD_BALANCING)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    def generate(self, request: gateway_pb2.GenerateRequest, timeout_s: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> Iterator[gateway_pb2.GenerateResponse]:
+        """The request's chunks, each token once, across as many streams as it takes (at most
+        ``policy.max_retries`` re-sends, within ``timeout_s``); the last ``grpc.RpcError``
+        when it gives up or the error is not one to retry."""
+        state = ResumableStream.start(request, self.policy, timeout_s)
+        metadata = (*self.auth.metadata(), *metadata)
+        while True:
+            call = self.stub.Generate(state.next_request(), metadata=metadata, timeout=state.time_left())
+            try:
+                for chunk in call:
+                    yield state.take(chunk)
+                if state.finished:
+                    return
+                error: grpc.RpcError = BrokenStream()
+            except grpc.RpcError as exc:
+                error = exc
+            finally:
+                call.cancel()
+            time.sleep(state.broke(error))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # A conversation: (role, content) turns, role "system", "user" or "assistant".
@@ -99,7 +150,7 @@ def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s:
     auth = auth or ClientAuth()
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
-    with auth.channel(address) as channel:
+    with auth.channel(gateway_target(address)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -134,13 +185,12 @@ def stream_to_terminal(args: argparse.Namespace) -> int:
     prompt = args.prompt if turns is None else chat_messages(turns)
     request = make_request(prompt, args.max_tokens, args.temperature, args.top_p, args.top_k,
                            args.seed, args.stop)
-    with auth.channel(args.gateway) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+    with GatewayClient(args.gateway, auth) as client:
         if turns is None:  # a completion continues the prompt; a chat answer stands alone
             sys.stdout.write(args.prompt)
             sys.stdout.flush()
         try:
-            for chunk in stub.Generate(request, timeout=args.timeout_s, metadata=auth.metadata()):
+            for chunk in client.generate(request, timeout_s=args.timeout_s):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.finish_reason:

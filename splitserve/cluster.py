@@ -176,8 +176,8 @@ class Cluster:
         return self.addresses["gateway"]
 
     def _start_http(self, timeout_s: float) -> None:
-        """The OpenAI-compatible front (``splitserve http``), a client of the gateway."""
-        flags = ["--gateway", self.addresses["gateway"], "--http-port", str(self.http_port)]
+        """The OpenAI-compatible front (``splitserve http``), a client of every gateway replica."""
+        flags = ["--gateway", ",".join(self.gateway_addresses), "--http-port", str(self.http_port)]
         if self.tls:
             flags += ["--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         proc, ready = self._spawn("http", "http", [*flags, *self.http_flags])

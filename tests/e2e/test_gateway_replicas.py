@@ -16,7 +16,6 @@ picks none, until it is back in DNS.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from splitserve.client import GatewayClient, make_request, wait_for_workers
 from splitserve.cluster import Cluster, mint_secret
 from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 from tests.e2e.cluster_util import MODEL, code_prompts
-from tests.helpers.dnsmasq import DOMAIN, DnsServer
+from tests.helpers.dnsmasq import DOMAIN, DnsServer, shared_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gateway_replicas")]
 
@@ -51,22 +50,6 @@ def references() -> tuple[list[list[int]], list[list[int]], object]:
     return prompts, [list(o.token_ids) for o in outs], engine.tokenizer
 
 
-def _shared_port() -> int:
-    """A TCP port free on every gateway host (one internal port behind one name)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((HOSTS[0], 0))
-            port = int(s.getsockname()[1])
-        try:
-            for host in HOSTS[1:]:
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no port free on every gateway host")
-
-
 @pytest.fixture(scope="module")
 def dns() -> DnsServer:
     with DnsServer({NAME: HOSTS}) as server:
@@ -75,7 +58,7 @@ def dns() -> DnsServer:
 
 @pytest.fixture(scope="module")
 def cluster(dns: DnsServer, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
-    port = _shared_port()
+    port = shared_port(HOSTS)
     logs = tmp_path_factory.mktemp("logs-replicas")
     with Cluster(MODEL, num_prefill=2, num_decode=2, num_gateways=3, gateway_hosts=HOSTS,
                  gateway_internal_port=port, gateway_discovery=dns.spec(NAME, port),

@@ -34,6 +34,23 @@ def _free_udp_port() -> int:
         return int(s.getsockname()[1])
 
 
+def shared_port(hosts: list[str]) -> int:
+    """A TCP port free on every one of ``hosts`` (the gateways behind one name share it, as
+    pods behind a headless Service do)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((hosts[0], 0))
+            port = int(s.getsockname()[1])
+        try:
+            for host in hosts[1:]:
+                with socket.socket() as s:
+                    s.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no port free on every one of {hosts}")
+
+
 class DnsServer:
     def __init__(self, records: dict[str, list[str]]) -> None:
         self._binary = dnsmasq_or_skip()

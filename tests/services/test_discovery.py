@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
@@ -36,7 +35,7 @@ from plumbing.discovery import (
 from plumbing.kv_event_sender import KVEventSender, KVEventTee
 from plumbing.registration import RegistrationClient, Registrations
 from splitserve.v1 import common_pb2, gateway_pb2_grpc
-from tests.helpers.dnsmasq import DOMAIN, DnsServer
+from tests.helpers.dnsmasq import DOMAIN, DnsServer, shared_port
 
 NAME = f"gw.{DOMAIN}"
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
@@ -52,22 +51,6 @@ def test_dns_every_record_changes_and_removal_through_dnsmasq() -> None:
         port = dns.port
     with pytest.raises(DiscoveryError, match="dns://127.0.0.1"):  # nobody answers: keep what was known
         asyncio.run(DnsSource(NAME, 7, ("127.0.0.1", port), timeout_s=0.5).resolve())
-
-
-def _shared_port() -> int:
-    """A TCP port free on every test host (the gateways share it, as pods behind one name do)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((HOSTS[0], 0))
-            port = int(s.getsockname()[1])
-        try:
-            for host in HOSTS[1:]:
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no port free on every test host")
 
 
 async def _registry(host: str, port: int) -> tuple[grpc.aio.Server, Registry]:
@@ -104,7 +87,7 @@ async def _until(check, what: str, timeout_s: float = 10.0) -> None:  # noqa: AN
 
 
 def test_a_worker_follows_a_dns_name_into_every_gateway_it_lists() -> None:
-    port = _shared_port()
+    port = shared_port(HOSTS)
     with DnsServer({NAME: HOSTS[:3]}) as dns:
         async def run() -> None:
             gateways = {h: await _registry(h, port) for h in HOSTS}

@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 
 from engine.kv_events import KVEventLog
 from gateway.registry import Registry
@@ -143,3 +144,24 @@ def test_a_replica_the_source_stops_naming_is_left_and_never_picks_the_worker_ag
 
 def test_static_source_answers_its_list() -> None:
     assert asyncio.run(StaticSource(("b:2", "a:1")).resolve()) == ["a:1", "b:2"]
+
+
+def test_the_tee_copies_each_change_into_every_branch_until_pruned() -> None:
+    pool = Pool()
+    tee = KVEventTee.install(pool)
+    first = tee.branch()
+    tee.stored(H[0])
+    tee.stored(H[1])
+    second = tee.branch()  # joins late: the whole cache as it is now
+    tee.removed(H[0])
+    tee.prune(first)
+    tee.stored(H[2])
+    assert first.cached_hashes() == {H[1]}  # nothing after its prune
+    assert second.cached_hashes() == {H[1], H[2]} == tee.cached_hashes()
+    batch = second.take(16)
+    assert batch is not None and batch.reset and dict(batch.items) == {H[0]: False, H[1]: True, H[2]: True}
+    assert tee.num_branches == 1
+    busy = Pool()
+    busy.events.stored(H[3])
+    with pytest.raises(RuntimeError, match="already cached"):  # its cache would be missing from every branch
+        KVEventTee.install(busy)

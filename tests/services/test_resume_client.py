@@ -171,3 +171,24 @@ def test_gateway_target() -> None:
             gateway_target(bad)
     with pytest.raises(ValueError, match="max_retries"):
         ResumePolicy(max_retries=-1)
+
+
+def test_http_front_flags_take_several_gateways_and_max_resumes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from http_front.config import HttpConfig, add_http_flags, http_config
+
+    def parse(*argv: str) -> HttpConfig:
+        parser = argparse.ArgumentParser()
+        add_http_flags(parser)
+        return http_config(parser.parse_args(list(argv)))
+
+    config = parse("--gateway", "127.0.0.1:1,127.0.0.2:2")
+    assert gateway_target(config.gateway) == "ipv4:127.0.0.1:1,127.0.0.2:2"
+    assert config.resume == ResumePolicy(max_retries=20)
+    monkeypatch.setenv("SPLITSERVE_MAX_RESUMES", "3")
+    assert parse().resume.max_retries == 3
+    with pytest.raises(ValueError, match="one DNS name"):
+        HttpConfig(gateway="gw1:1,gw2:2")
+    with pytest.raises(ValueError, match="max_retries"):
+        HttpConfig(max_resumes=-1)

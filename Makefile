@@ -44,9 +44,13 @@ test: $(STAMP) tools
 	$(PY) -m pytest -q -n auto --dist loadgroup
 
 # promtool (Debian's prometheus package) for the metrics check of tests/e2e/test_openai_front.py,
-# buf (npm's @bufbuild/buf, into .cache/buf) for tests/services/test_buf_lint.py; best effort:
-# without one, its check is skipped, with the reason.
+# buf (npm's @bufbuild/buf, into .cache/buf) for tests/services/test_buf_lint.py, dnsmasq (a
+# real DNS server) for the DNS discovery tests (tests/services/test_discovery.py,
+# tests/e2e/test_gateway_replicas.py); best effort: without one, its check is skipped, with the reason.
 tools:
+	@command -v dnsmasq > /dev/null 2>&1 || test -x /usr/sbin/dnsmasq || (apt-get install -y -qq --no-install-recommends dnsmasq \
+		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends dnsmasq)) > /dev/null 2>&1 \
+		|| echo "dnsmasq not installed: the DNS discovery tests will be skipped"
 	@command -v promtool > /dev/null 2>&1 || (apt-get install -y -qq --no-install-recommends prometheus \
 		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)) > /dev/null 2>&1 \
 		|| echo "promtool not installed: the promtool check will be skipped"

@@ -12,6 +12,8 @@ clients (8; 0: every chat at once), each client running its chats one after anot
 each chat its turns one after another, every turn resending the whole conversation (its
 system prompt, shared with other chats, earlier turns and the model's actual answers).
 Greedy, EOS ignored, so every prompt's length is the workload's whatever the model answers.
+``--replicas`` measures instead a second gateway replica started cold against one gateway
+(``bench/routing_replicas.py``).
 
 Figures per policy: prompt tokens computed (sent − served from a prefix cache, as the
 workers report them), KV bytes shipped between workers, TTFT P50/P99 (client side), output
@@ -224,6 +226,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
     p.add_argument("--log-dir", type=Path, default=None, help="keep the services' logs here (default: discarded)")
+    p.add_argument("--replicas", action="store_true",
+                   help="instead: prefix routing's hit ratio with a second gateway started cold, against one "
+                        "gateway (bench/routing_replicas.py)")
     return p.parse_args(argv)
 
 
@@ -237,6 +242,14 @@ def main(argv: list[str] | None = None) -> dict:
     footprint = sum(-(-c.max_tokens() // BLOCK_SIZE) for c in convs)
     settings = EngineSettings(block_size=BLOCK_SIZE, num_kv_blocks=args.kv_blocks or footprint + 256,
                               max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=longest + 1)
+    if args.replicas:
+        from bench.routing_replicas import measure
+
+        with tempfile.TemporaryDirectory() as tmp:
+            result = {**report.header("routing-replicas", 1), **measure(model, convs, args, settings,
+                                                                        args.log_dir or Path(tmp))}
+        report.write_json(result, args.out)
+        return result
     order = [p for i in range(args.rounds) for p in (POLICIES if i % 2 == 0 else POLICIES[::-1])]
     runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
     full = report.header("routing", 1)

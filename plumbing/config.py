@@ -7,32 +7,22 @@ The environment is read when the parser is built inside ``main()``, never at imp
 from __future__ import annotations
 
 import argparse
-import os
+import ipaddress
 from dataclasses import dataclass
-from typing import Any
 
 from engine.config import EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
+from plumbing.discovery import parse_source
+from plumbing.flags import add_flag, env_name  # noqa: F401 - re-exported (the CLI, tests, http_front)
+from plumbing.routing_config import (  # noqa: F401 - re-exported
+    ROUTING_POLICIES,
+    RoutingConfig,
+    add_routing_flags,
+    routing_config,
+)
 from plumbing.tls import TlsConfig
 
 TRANSPORTS = ("auto", "gloo", "nccl")
-
-
-def env_name(flag: str) -> str:
-    return "SPLITSERVE_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
-    """``parser.add_argument`` whose default comes from ``SPLITSERVE_*`` when set."""
-    value = os.environ.get(env_name(flag))
-    if value is not None:
-        if kwargs.get("action") == "store_true":
-            kwargs["default"] = value.lower() in ("1", "true", "yes", "on")
-        else:
-            kwargs["default"] = kwargs.get("type", str)(value)
-    if "help" in kwargs:
-        kwargs["help"] += f" [env {env_name(flag)}]"
-    parser.add_argument(flag, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -44,10 +34,27 @@ class SecurityConfig:
     api_keys_file: str | None = None  # gateway: accepted API keys, one a line
     internal_secret: str | None = None  # the shared secret of internal ports
     internal_secret_file: str | None = None
+    # Serve internal ports on a non-loopback address with neither mTLS nor the shared secret
+    # (refused otherwise: ServerConfig).
+    insecure_internal: bool = False
 
     def __post_init__(self) -> None:
         if self.tls.ca_file is not None and not self.tls.enabled:
             raise ValueError("tls_ca needs tls_cert and tls_key: a service presents its own certificate (mTLS)")
+
+    @property
+    def authenticates_internal(self) -> bool:
+        """Internal ports ask callers for mTLS or the shared secret."""
+        return bool(self.internal_secret or self.internal_secret_file) or (self.tls.enabled and self.tls.mutual)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,11 @@ class ServerConfig:
         for name in ("drain_grace_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (is_loopback(self.host) or self.security.authenticates_internal or self.security.insecure_internal):
+            raise ValueError(
+                f"host {self.host} is not a loopback address and the internal port has no authentication: "
+                "give --internal-secret-file (or --tls-cert, --tls-key and --tls-ca for mTLS), or "
+                "--insecure-internal to serve it open to anyone who can reach it")
 
     @property
     def public_host(self) -> str:
@@ -88,7 +100,8 @@ class WorkerConfig:
 
     server: ServerConfig
     engine: EngineConfig
-    gateway: str  # host:port of the gateway's registry
+    gateway: str  # the gateways' registries: a discovery source (plumbing/discovery.py)
+    gateway_refresh_s: float = 1.0  # ask the discovery source again this often
     transport: str = "auto"  # auto: nccl on CUDA, gloo otherwise
     transfer_timeout_s: float = 30.0  # one channel operation (one message), and AwaitTransfer
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
@@ -100,6 +113,9 @@ class WorkerConfig:
     fault_transfer_stall_s: float = 0.0
 
     def __post_init__(self) -> None:
+        parse_source(self.gateway, "gateway")  # ValueError naming the flag
+        if not self.gateway_refresh_s > 0:
+            raise ValueError(f"gateway_refresh_s must be > 0, got {self.gateway_refresh_s}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transfer_timeout_s <= 0:
@@ -115,56 +131,6 @@ class WorkerConfig:
         if self.transport != "auto":
             return self.transport
         return "nccl" if self.engine.device.startswith("cuda") else "gloo"
-
-
-ROUTING_POLICIES = ("load", "prefix")
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """How the gateway picks workers (``gateway/routing.py``; docs/architecture.md,
-    "KV-aware routing"). ``load``: decode by KV pressure, prefill by queued prompt tokens.
-    ``prefix``: the same loads, plus what each worker's prefix cache already holds of the
-    prompt (from the workers' KV events), unless the loads are too far apart."""
-
-    policy: str = "prefix"
-    # Prefill leg, in prompt tokens: cost = prefill_overlap_weight * uncached prompt tokens
-    # + queued prompt tokens (reported + routed). 1.0 makes the cost the tokens the worker
-    # computes before this request's first token.
-    prefill_overlap_weight: float = 1.0
-    # Decode leg: cost = KV pressure (used share of the pool + routed in flight / 64)
-    # + decode_overlap_weight * uncached share of the prompt (0 .. 1).
-    decode_overlap_weight: float = 1.0
-    # Imbalance guards: when the candidates' loads differ by more than this (queued prompt
-    # tokens; KV pressure), the leg is picked by load alone.
-    prefill_imbalance_tokens: int = 4096
-    decode_imbalance: float = 0.25
-    # A decode worker predicted to hold at least this share of a prompt prefills it itself
-    # (only the uncached rest is computed, nothing is shipped); 1 turns this off.
-    local_prefill_min_cached_fraction: float = 0.5
-    # What the gateway asks of the workers' KV events (RegisterWorkerResponse).
-    kv_events_max_per_beat: int = 4096
-    kv_events_interval_ms: int = 50
-
-    def __post_init__(self) -> None:
-        if self.policy not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.policy!r}")
-        for name in ("prefill_overlap_weight", "decode_overlap_weight", "decode_imbalance"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.prefill_imbalance_tokens < 0:
-            raise ValueError(f"prefill_imbalance_tokens must be >= 0, got {self.prefill_imbalance_tokens}")
-        if not 0 < self.local_prefill_min_cached_fraction <= 1:
-            raise ValueError("local_prefill_min_cached_fraction must be in (0, 1], "
-                             f"got {self.local_prefill_min_cached_fraction}")
-        if not 1 <= self.kv_events_max_per_beat <= 65536:
-            raise ValueError(f"kv_events_max_per_beat must be in [1, 65536], got {self.kv_events_max_per_beat}")
-        if self.kv_events_interval_ms < 1:
-            raise ValueError(f"kv_events_interval_ms must be >= 1, got {self.kv_events_interval_ms}")
-
-    @property
-    def wants_kv_events(self) -> bool:
-        return self.policy == "prefix"
 
 
 @dataclass(frozen=True)
@@ -226,6 +192,9 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
              help="shared secret required on internal ports and sent by internal clients "
                   "(prefer the variable or --internal-secret-file)")
     add_flag(p, "--internal-secret-file", default=None, help="file holding the internal shared secret")
+    add_flag(p, "--insecure-internal", action="store_true",
+             help="serve the internal port on a non-loopback --host with no authentication (refused "
+                  "without this flag; logs a warning)")
 
 
 def add_tls_flags(p: argparse.ArgumentParser) -> None:
@@ -248,6 +217,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tls=tls_config(args), api_keys=getattr(args, "api_keys", None),
         api_keys_file=getattr(args, "api_keys_file", None),
         internal_secret=args.internal_secret, internal_secret_file=args.internal_secret_file,
+        insecure_internal=args.insecure_internal,
     )
     return ServerConfig(
         host=args.host, port=args.port, advertise_host=args.advertise_host,
@@ -300,7 +270,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_server_flags(p, default_port=0)
     add_engine_flags(p, default_model)
-    add_flag(p, "--gateway", default="127.0.0.1:50052", help="the gateway's internal address (its registry)")
+    add_flag(p, "--gateway", default="127.0.0.1:50052",
+             help="the gateways' internal addresses (their registries); the worker registers with each: "
+                  "host:port[,host:port...], dns:///name:port (every A/AAAA record; dns://server:port/name:port "
+                  "asks that server), or kubernetes:///service.namespace:port (EndpointSlices)")
+    add_flag(p, "--gateway-refresh-s", type=float, default=1.0,
+             help="ask --gateway's DNS name or EndpointSlices again this often")
     add_flag(p, "--transport", default="auto", choices=list(TRANSPORTS), help="KV transport")
     add_flag(p, "--transfer-timeout-s", type=float, default=30.0, help="KV channel op timeout")
     add_flag(p, "--max-reservations-per-request", type=int, default=8,
@@ -316,6 +291,7 @@ def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         server=server_config(args), engine=engine_config(args), gateway=args.gateway,
+        gateway_refresh_s=args.gateway_refresh_s,
         transport=args.transport, transfer_timeout_s=args.transfer_timeout_s,
         max_reservations_per_request=args.max_reservations_per_request,
         fault_transfer_stall_s=args.fault_transfer_stall_s, kv_chunk_bytes=args.kv_chunk_bytes,
@@ -345,37 +321,6 @@ def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--startup-grace-s", type=float, default=10.0,
              help="after a start, NOT_SERVING until a decode worker registered or this many seconds passed")
     add_routing_flags(p)
-
-
-def add_routing_flags(p: argparse.ArgumentParser) -> None:
-    d = RoutingConfig()
-    add_flag(p, "--routing", default=d.policy, choices=list(ROUTING_POLICIES),
-             help="load: by load alone; prefix: also by what each worker's prefix cache holds (KV events)")
-    add_flag(p, "--routing-prefill-overlap-weight", type=float, default=d.prefill_overlap_weight,
-             help="prefill cost = weight * uncached prompt tokens + queued prompt tokens")
-    add_flag(p, "--routing-decode-overlap-weight", type=float, default=d.decode_overlap_weight,
-             help="decode cost = KV pressure + weight * uncached share of the prompt")
-    add_flag(p, "--routing-prefill-imbalance-tokens", type=int, default=d.prefill_imbalance_tokens,
-             help="prefill workers' queues further apart than this: route by load alone")
-    add_flag(p, "--routing-decode-imbalance", type=float, default=d.decode_imbalance,
-             help="decode workers' KV pressures further apart than this: route by load alone")
-    add_flag(p, "--local-prefill-min-cached-fraction", type=float, default=d.local_prefill_min_cached_fraction,
-             help="prefix routing: a decode worker holding this share of the prompt prefills it itself (1: never)")
-    add_flag(p, "--kv-events-max-per-beat", type=int, default=d.kv_events_max_per_beat,
-             help="most prefix-cache changes a worker sends per heartbeat")
-    add_flag(p, "--kv-events-interval-ms", type=int, default=d.kv_events_interval_ms,
-             help="workers heartbeat this soon after their prefix cache changed")
-
-
-def routing_config(args: argparse.Namespace) -> RoutingConfig:
-    return RoutingConfig(
-        policy=args.routing, prefill_overlap_weight=args.routing_prefill_overlap_weight,
-        decode_overlap_weight=args.routing_decode_overlap_weight,
-        prefill_imbalance_tokens=args.routing_prefill_imbalance_tokens,
-        decode_imbalance=args.routing_decode_imbalance,
-        local_prefill_min_cached_fraction=args.local_prefill_min_cached_fraction,
-        kv_events_max_per_beat=args.kv_events_max_per_beat, kv_events_interval_ms=args.kv_events_interval_ms,
-    )
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:

@@ -18,10 +18,11 @@ from plumbing import rpc
 from plumbing.config import WorkerConfig
 from plumbing.convert import kv_layout_to_proto
 from plumbing.identity import mint_id
-from plumbing.kv_event_sender import KVEventSender
+from plumbing.discovery import parse_source
+from plumbing.kv_event_sender import KVEventSender, KVEventTee
 from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
 from plumbing.metrics import WorkerMetrics, serve_metrics
-from plumbing.registration import RegistrationClient
+from plumbing.registration import RegistrationClient, Registrations
 from plumbing.security import Security
 from plumbing.servers import INTERNAL, Servers, write_ready_file
 from splitserve.v1 import common_pb2
@@ -49,7 +50,7 @@ class EngineServicer:
         self._streams: dict[str, asyncio.Future[None]] = {}
         self.engine_thread = EngineThread(engine, self._on_outputs_threadsafe, on_tick=self.on_tick,
                                on_failure=self._on_engine_failure)
-        self.registration: RegistrationClient | None = None
+        self.registration: Registrations | None = None
 
     # -- engine thread -> event loop -------------------------------------------------
     def _on_outputs_threadsafe(self, outputs: list[RequestOutput]) -> None:
@@ -164,6 +165,20 @@ class EngineServicer:
         return self._report(await self.on_engine_thread(lambda e: e.load()))
 
 
+def _registrations(config: WorkerConfig, worker: EngineServicer, public: str, tee: KVEventTee) -> Registrations:
+    """Registration with every gateway ``--gateway`` names, each with its branch of the KV events."""
+    engine = worker.engine
+
+    def client(gateway: str, kv_events: KVEventSender | None) -> RegistrationClient:
+        return RegistrationClient(
+            gateway, worker.role, public, Path(config.engine.model).name, kv_layout_to_proto(engine.kv_layout),
+            worker.load_snapshot, worker.incarnation, security=worker.channel_security, kv_events=kv_events,
+            quantization=config.engine.quantization_name,
+        )
+
+    return Registrations(parse_source(config.gateway), client, tee, config.gateway_refresh_s)
+
+
 async def serve_worker(
     config: WorkerConfig,
     make_worker: Callable[[WorkerConfig, Engine], EngineServicer],
@@ -178,6 +193,7 @@ async def serve_worker(
     engine = Engine(config.engine)
     adopt_library_loggers()  # transformers attached its own stderr handler on import
     worker = make_worker(config, engine)
+    tee = KVEventTee.install(engine.kv.pool)  # one KV-event log per gateway, before the engine runs
     worker.engine_thread.start()
     servers = Servers(worker.security, worker.metrics.count_auth_failure)
     address = servers.add(INTERNAL, config.server.host, config.server.port,
@@ -188,12 +204,7 @@ async def serve_worker(
     metrics_port = serve_metrics(worker.metrics.registry, config.server.host, config.server.metrics_port,
                                  {"model": Path(config.engine.model).name})
     await servers.set_serving(True)
-    worker.registration = RegistrationClient(
-        config.gateway, worker.role, public, Path(config.engine.model).name,
-        kv_layout_to_proto(engine.kv_layout), worker.load_snapshot, worker.incarnation,
-        security=worker.channel_security, kv_events=KVEventSender(engine.kv_events),
-        quantization=config.engine.quantization_name,
-    )
+    worker.registration = _registrations(config, worker, public, tee)
     worker.registration.start()
     reloads = asyncio.ensure_future(worker.security.watch())
     log.info("worker.serving", role=worker.role_name, address=public, health_address=health_address,
@@ -204,7 +215,7 @@ async def serve_worker(
     log.info("worker.draining", role=worker.role_name, grace_s=config.server.drain_grace_s)
     worker.registration.state = common_pb2.WORKER_STATE_DRAINING
     try:
-        await worker.registration.beat_once()  # the gateway routes nothing new here from now on
+        await worker.registration.beat_once()  # the gateways route nothing new here from now on
     except grpc.aio.AioRpcError:
         pass
     await servers.drain(config.server.drain_grace_s, config.server.drain_timeout_s)

@@ -19,6 +19,7 @@ import asyncio
 
 import grpc
 
+from engine.block_hash import BlockHash
 from engine.kv_events import KVEventBatch, KVEventLog
 from plumbing.convert import kv_events_to_proto
 from splitserve.v1 import gateway_pb2
@@ -71,3 +72,52 @@ class KVEventSender:
             await asyncio.sleep(min(self.interval_s, left))
             if self.log.has_pending():
                 return
+
+
+class KVEventTee(KVEventLog):
+    """The engine's log, split per gateway: every change the pool records is copied into one
+    ``KVEventLog`` per gateway (``branch``), each delivered, acknowledged and resynced on its
+    own, so one gateway's lost beats or new registration never hold back another's.
+
+    It replaces the pool's log before the engine thread starts (``install``); the engine
+    calls ``stored``/``removed`` on it as before. Its own pending set is not used: only the
+    branches are read. Lock order: this log's lock, then a branch's."""
+
+    def __init__(self, max_pending: int) -> None:
+        super().__init__(max_pending)
+        self._branches: tuple[KVEventLog, ...] = ()
+
+    @classmethod
+    def install(cls, pool: object) -> KVEventTee:
+        """Put a tee in place of ``pool.events`` (a ``BlockPool`` whose cache is still empty)."""
+        old: KVEventLog = pool.events  # type: ignore[attr-defined]
+        if old.cached_hashes():
+            raise RuntimeError("KVEventTee.install: the pool already cached blocks")
+        tee = cls(old.max_pending)
+        pool.events = tee  # type: ignore[attr-defined]
+        return tee
+
+    def _note(self, block_hash: BlockHash, cached: bool) -> None:  # under self._lock
+        for branch in self._branches:
+            if cached:
+                branch.stored(block_hash)
+            else:
+                branch.removed(block_hash)
+
+    def branch(self) -> KVEventLog:
+        """A new gateway's log: the whole cache as it is now, then every change."""
+        branch = KVEventLog(self.max_pending)
+        with self._lock:
+            for block_hash in self._cached:
+                branch.stored(block_hash)
+            self._branches = (*self._branches, branch)
+        return branch
+
+    def prune(self, branch: KVEventLog) -> None:
+        """A gateway left: stop copying changes into its log."""
+        with self._lock:
+            self._branches = tuple(b for b in self._branches if b is not branch)
+
+    @property
+    def num_branches(self) -> int:
+        return len(self._branches)

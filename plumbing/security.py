@@ -18,7 +18,6 @@ health    kubelet probes (``--health-port``)     nothing: plaintext, grpc.health
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import signal
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import structlog
 
 from plumbing.auth import TokenSet
 from plumbing.channels import ChannelSecurity
-from plumbing.config import SecurityConfig
+from plumbing.config import SecurityConfig, is_loopback
 from plumbing.tls import TlsStore
 
 log = structlog.get_logger()
@@ -34,15 +33,6 @@ log = structlog.get_logger()
 
 def _optional_tokens(name: str, file: str | None, inline: str | None) -> TokenSet | None:
     return TokenSet(name, file=file, inline=inline) if file is not None or inline else None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -81,8 +71,10 @@ class Security:
                 "api_keys": self.api_keys is not None, "internal_secret": self.internal_secret is not None}
 
     def warn_if_open(self, host: str) -> None:
+        """A non-loopback internal port without authentication starts only with
+        ``--insecure-internal`` (``ServerConfig`` refuses it otherwise); it is logged."""
         if not is_loopback(host) and not self.mutual_tls and self.internal_secret is None:
-            log.warning("security.internal_unauthenticated", host=host,
+            log.warning("security.internal_unauthenticated", host=host, insecure_internal=self.config.insecure_internal,
                         hint="internal ports accept anyone who can reach them: give --tls-ca (mTLS) "
                              "or --internal-secret-file, or keep them on a private network")
 

@@ -293,6 +293,34 @@ def add_client_security_flags(p: argparse.ArgumentParser) -> None:
     cfg.add_flag(p, "--token", default=None, help="API key sent as 'authorization: Bearer' (prefer the variable)")
 
 
+def add_up_parser(sub: argparse._SubParsersAction) -> None:
+    """``splitserve up``: a local cluster (gateway replicas + workers), its internal secret minted."""
+    from plumbing import config as cfg
+
+    up = sub.add_parser("up", help="run gateway + prefill + decode workers on this machine")
+    cfg.add_flag(up, "--port", type=int, default=50051, help="gateway port (the first gateway's; the others: free ports)")
+    cfg.add_flag(up, "--num-gateways", type=int, default=1,
+                 help="gateway replicas; every worker registers with each (each answers any request)")
+    cfg.add_flag(up, "--num-prefill", type=int, default=1, help="prefill workers")
+    cfg.add_flag(up, "--num-decode", type=int, default=1, help="decode workers")
+    cfg.add_flag(up, "--model", default=default_model(), help="checkpoint directory or .gguf file")
+    cfg.add_flag(up, "--threads", type=int, default=1, help="torch threads per worker")
+    cfg.add_flag(up, "--metrics-port", type=int, default=-1,
+                 help="gateway metrics port; workers use the following ports (-1 off)")
+    cfg.add_flag(up, "--log-level", default="info", help="debug|info|warning|error")
+    cfg.add_flag(up, "--local-prefill-max-tokens", type=int, default=32,
+                 help="gateway: prompts shorter than this prefill on the decode worker (0: never)")
+    cfg.add_flag(up, "--http-port", type=int, default=-1,
+                 help="also run the OpenAI-compatible HTTP front on this port (0: a free one; -1: none)")
+    cfg.add_flag(up, "--log-dir", default=None, help="write each service's log here (default: inherit stderr)")
+    cfg.add_flag(up, "--tls", action="store_true",
+                 help="make a throwaway CA and certificate (in --log-dir, else a temporary folder): "
+                      "TLS on every port, mTLS between the services")
+    up.add_argument("service_args", nargs=argparse.REMAINDER,
+                    help="after --: extra flags for every worker (e.g. -- --speculative ngram)")
+    up.set_defaults(func=_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from plumbing import config as cfg
 
@@ -331,26 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no TLS whatever SPLITSERVE_TLS_* say (the --health-port is plaintext)")
     hc.set_defaults(func=_health)
 
-    up = sub.add_parser("up", help="run gateway + prefill + decode workers on this machine")
-    cfg.add_flag(up, "--port", type=int, default=50051, help="gateway port")
-    cfg.add_flag(up, "--num-prefill", type=int, default=1, help="prefill workers")
-    cfg.add_flag(up, "--num-decode", type=int, default=1, help="decode workers")
-    cfg.add_flag(up, "--model", default=default_model(), help="checkpoint directory or .gguf file")
-    cfg.add_flag(up, "--threads", type=int, default=1, help="torch threads per worker")
-    cfg.add_flag(up, "--metrics-port", type=int, default=-1,
-                 help="gateway metrics port; workers use the following ports (-1 off)")
-    cfg.add_flag(up, "--log-level", default="info", help="debug|info|warning|error")
-    cfg.add_flag(up, "--local-prefill-max-tokens", type=int, default=32,
-                 help="gateway: prompts shorter than this prefill on the decode worker (0: never)")
-    cfg.add_flag(up, "--http-port", type=int, default=-1,
-                 help="also run the OpenAI-compatible HTTP front on this port (0: a free one; -1: none)")
-    cfg.add_flag(up, "--log-dir", default=None, help="write each service's log here (default: inherit stderr)")
-    cfg.add_flag(up, "--tls", action="store_true",
-                 help="make a throwaway CA and certificate (in --log-dir, else a temporary folder): "
-                      "TLS on every port, mTLS between the services")
-    up.add_argument("service_args", nargs=argparse.REMAINDER,
-                    help="after --: extra flags for every worker (e.g. -- --speculative ngram)")
-    up.set_defaults(func=_up)
+    add_up_parser(sub)
     return parser
 
 

@@ -1,4 +1,9 @@
-"""``splitserve up``: a gateway plus N prefill and M decode worker processes on this machine.
+"""``splitserve up``: gateways plus N prefill and M decode worker processes on this machine.
+
+``--num-gateways G`` runs G gateway replicas (docs/architecture.md, "Gateway replicas"): every
+worker registers with each of them (``--gateway`` a static list of their internal addresses,
+or any discovery source). ``up`` mints an internal shared secret for the run: every internal
+port asks for it, every service sends it (a process without it cannot register as a worker).
 
 Each service is its own process (``python -m splitserve.cli <role> ...``), so a crash or a
 ``kill -9`` of one behaves as it would in a deployment. SIGINT/SIGTERM to ``up`` sends
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -53,7 +59,9 @@ class Cluster:
                  decode_flags: list[str] | None = None, metrics_port: int = -1,
                  log_dir: str | None = None, log_level: str = "info", tls: Bundle | None = None,
                  api_keys: list[str] | None = None, http_port: int | None = None,
-                 http_flags: list[str] | None = None) -> None:
+                 http_flags: list[str] | None = None, num_gateways: int = 1,
+                 gateway_hosts: list[str] | None = None, gateway_internal_port: int = 0,
+                 gateway_discovery: str | None = None, internal_secret: str | None = None) -> None:
         self.model = model
         self.port = port
         self.num_prefill = num_prefill
@@ -72,6 +80,15 @@ class Cluster:
         self.addresses: dict[str, str] = {}
         self._commands: dict[str, tuple[str, list[str]]] = {}  # name -> (role, flags), for restart
         self._tmp = tempfile.TemporaryDirectory(prefix="splitserve-")
+        # Gateway replicas: "gateway", "gateway-1", ...; each binds its host (default 127.0.0.1)
+        # and gateway_internal_port (0: each a free one; one port for all when DNS names them).
+        self.gateway_names = ["gateway", *(f"gateway-{i}" for i in range(1, num_gateways))]
+        self.gateway_hosts = gateway_hosts or ["127.0.0.1"] * num_gateways
+        if len(self.gateway_hosts) != num_gateways or num_gateways < 1:
+            raise ValueError(f"gateway_hosts: one host per gateway ({num_gateways}), got {self.gateway_hosts}")
+        self.gateway_internal_port = gateway_internal_port
+        self.gateway_discovery = gateway_discovery  # the workers' --gateway; None: the static list
+        self.internal_secret = internal_secret  # every internal port asks for it; None: open (loopback)
         # TLS on every port and channel (mTLS inside) with one throwaway set (splitserve/certs.py),
         # API keys on the public port; ``client`` is what a client of this cluster needs.
         self.tls = tls
@@ -81,12 +98,21 @@ class Cluster:
             token=self.api_keys[0] if self.api_keys else None)
 
     def _security_flags(self) -> list[str]:
-        """Flags every service gets: the TLS set, and no health port (an inherited
-        ``SPLITSERVE_HEALTH_PORT`` would make them all bind the same one)."""
-        return [*(self.tls.flags() if self.tls else []), "--health-port", "-1"]
+        """Flags every service gets: the TLS set, the internal secret's file, and no health port
+        (an inherited ``SPLITSERVE_HEALTH_PORT`` would make them all bind the same one)."""
+        flags = [*(self.tls.flags() if self.tls else []), "--health-port", "-1"]
+        if self.internal_secret is not None:
+            secret = Path(self._tmp.name) / "internal-secret"
+            if not secret.exists():
+                secret.touch(mode=0o600)
+                secret.write_text(self.internal_secret + "\n")
+            flags += ["--internal-secret-file", str(secret)]
+        return flags
 
-    def _gateway_flags(self) -> list[str]:
-        flags = ["--model", self.model, "--port", str(self.port), "--internal-port", "0", *self._metrics(0)]
+    def _gateway_flags(self, index: int) -> list[str]:
+        port = self.port if index == 0 else 0
+        flags = ["--model", self.model, "--host", self.gateway_hosts[index], "--port", str(port),
+                 "--internal-port", str(self.gateway_internal_port), *self._metrics(0 if index == 0 else -1)]
         if self.api_keys:
             keys = Path(self._tmp.name) / "api-keys"
             keys.write_text("\n".join(self.api_keys) + "\n")
@@ -97,9 +123,14 @@ class Cluster:
         """Wait for ``name``'s ready file; record its address (the gateway's internal one too)."""
         lines = wait_ready(ready, proc, timeout_s).splitlines()
         self.addresses[name] = lines[0]
-        if name == "gateway":
-            self.addresses["gateway-internal"] = lines[1]
+        if name in self.gateway_names:
+            self.addresses[f"{name}-internal"] = lines[1]
         return lines[0]
+
+    @property
+    def gateway_addresses(self) -> list[str]:
+        """Every gateway replica's public address (those started so far)."""
+        return [self.addresses[n] for n in self.gateway_names if n in self.addresses]
 
     def _spawn(self, name: str, role: str, flags: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
         ready = Path(self._tmp.name) / f"{name}.addr"
@@ -116,14 +147,19 @@ class Cluster:
         return proc, ready
 
     def _metrics(self, offset: int) -> list[str]:
-        return [] if self.metrics_port < 0 else ["--metrics-port", str(self.metrics_port + offset)]
+        """The metrics port ``offset`` after ``metrics_port``; ephemeral for offset -1."""
+        if self.metrics_port < 0:
+            return []
+        return ["--metrics-port", str(self.metrics_port + offset if offset >= 0 else 0)]
 
     def start(self, timeout_s: float = 120.0) -> str:
         """Start everything; return the gateway address once every worker registered."""
-        gw, ready = self._spawn("gateway", "gateway", self._gateway_flags())
-        self._ready("gateway", gw, ready, timeout_s)
+        gateways = [(n, *self._spawn(n, "gateway", self._gateway_flags(i))) for i, n in enumerate(self.gateway_names)]
+        for name, proc, ready in gateways:
+            self._ready(name, proc, ready, timeout_s)
+        discovery = self.gateway_discovery or ",".join(self.addresses[f"{n}-internal"] for n in self.gateway_names)
         waiting = []
-        common = ["--model", self.model, "--gateway", self.addresses["gateway-internal"],
+        common = ["--model", self.model, "--gateway", discovery,
                   "--threads", str(self.threads), *self._security_flags(), *self.worker_flags]
         for i in range(self.num_prefill):
             waiting.append((f"prefill-{i}", *self._spawn(
@@ -140,8 +176,8 @@ class Cluster:
         return self.addresses["gateway"]
 
     def _start_http(self, timeout_s: float) -> None:
-        """The OpenAI-compatible front (``splitserve http``), a client of the gateway."""
-        flags = ["--gateway", self.addresses["gateway"], "--http-port", str(self.http_port)]
+        """The OpenAI-compatible front (``splitserve http``), a client of every gateway replica."""
+        flags = ["--gateway", ",".join(self.gateway_addresses), "--http-port", str(self.http_port)]
         if self.tls:
             flags += ["--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         proc, ready = self._spawn("http", "http", [*flags, *self.http_flags])
@@ -150,7 +186,8 @@ class Cluster:
     def _wait_registered(self, timeout_s: float) -> None:
         from splitserve.client import wait_for_workers
 
-        wait_for_workers(self.addresses["gateway"], self.num_prefill, self.num_decode, timeout_s, self.client)
+        for address in self.gateway_addresses:  # every replica: each worker registered with each
+            wait_for_workers(address, self.num_prefill, self.num_decode, timeout_s, self.client)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one service and wait for it to exit; its exit code."""
@@ -170,15 +207,15 @@ class Cluster:
         """``name``'s role and flags again, pinned to the ports it had (the last flag wins)."""
         role, flags = self._commands[name]
         again = [*flags, "--port", self.addresses[name].rsplit(":", 1)[1]]
-        if name == "gateway":
-            again += ["--internal-port", self.addresses["gateway-internal"].rsplit(":", 1)[1]]
+        if name in self.gateway_names:
+            again += ["--internal-port", self.addresses[f"{name}-internal"].rsplit(":", 1)[1]]
         return role, again
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every child (workers first), wait, SIGKILL stragglers; return exit codes."""
         first = [n for n in ("http",) if n in self.procs]  # the front before the services it calls
-        order = first + [n for n in self.procs if n not in ("gateway", "http")] + (
-            ["gateway"] if "gateway" in self.procs else [])
+        order = first + [n for n in self.procs if n not in (*self.gateway_names, "http")] + [
+            n for n in self.gateway_names if n in self.procs]
         for name in order:
             if self.procs[name].poll() is None:
                 self.procs[name].send_signal(signal.SIGTERM)
@@ -206,6 +243,11 @@ class Cluster:
         self.stop()
 
 
+def mint_secret() -> str:
+    """A fresh internal shared secret (256 bits), for one run of ``up``."""
+    return secrets.token_urlsafe(32)
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     configure_logging("up", args.log_level)
     extra = [a for a in args.service_args if a != "--"]
@@ -218,7 +260,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         threads=args.threads, worker_flags=extra, metrics_port=args.metrics_port,
         gateway_flags=["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)],
         log_dir=args.log_dir, log_level=args.log_level, tls=bundle,
-        http_port=args.http_port if args.http_port >= 0 else None,
+        http_port=args.http_port if args.http_port >= 0 else None, num_gateways=args.num_gateways,
+        internal_secret=mint_secret(),  # secure by default: no process without it registers as a worker
     )
     stopping = False
 
@@ -241,7 +284,9 @@ def run_cluster(args: argparse.Namespace) -> int:
         cluster.stop(grace_s=5)
         return 1
     tls_flag = f" --tls-ca {bundle.ca}" if bundle else ""
-    log.info("up.ready", gateway=address, http=cluster.addresses.get("http"), num_prefill=args.num_prefill, num_decode=args.num_decode,
+    log.info("up.ready", gateway=address, gateways=cluster.gateway_addresses,
+             gateways_internal=[cluster.addresses[f"{n}-internal"] for n in cluster.gateway_names],
+             http=cluster.addresses.get("http"), num_prefill=args.num_prefill, num_decode=args.num_decode,
              tls_ca=str(bundle.ca) if bundle else None,
              hint=f"splitserve generate --gateway {address}{tls_flag} 'def fibonacci(n):'")
     while not stopping:

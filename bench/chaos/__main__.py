@@ -1,4 +1,4 @@
-"""``python -m bench.chaos [--profile small|large] [--seed N] [--out FILE] [--log-dir DIR]``
+"""``python -m bench.chaos [--profile small|large|replicas] [--seed N] [--num-gateways N] [--out FILE] [--log-dir DIR]``
 
 Runs the chaos campaign (``bench/chaos/__init__.py``), prints its figures, writes them as JSON,
 and exits 1 when a zero check failed.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from bench.chaos.profile import PROFILES
@@ -23,9 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--out", default=None, help="JSON report (default bench/results/chaos-<profile>-<seed>.json)")
     parser.add_argument("--log-dir", default=None, help="each process's log (default: discarded)")
+    parser.add_argument("--num-gateways", type=int, default=None,
+                        help="gateway replicas (the profile's by default); more than one: resuming clients")
     args = parser.parse_args(argv)
     configure_logging("chaos", "warning")
-    report = run_chaos(PROFILES[args.profile], args.seed, args.model, args.log_dir)
+    profile = PROFILES[args.profile]
+    if args.num_gateways is not None:
+        profile = replace(profile, num_gateways=args.num_gateways, resume=profile.resume or args.num_gateways > 1)
+    report = run_chaos(profile, args.seed, args.model, args.log_dir)
     out = Path(args.out or f"bench/results/chaos-{args.profile}-{args.seed}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))

@@ -15,7 +15,8 @@ decode          a decode worker is decoding    decoding                         
 
 A phase not seen within ``catch_s`` fires anyway (``caught`` False). After a restart, or after
 SIGCONT, the injector measures how long the gateway takes to list the process(es) as SERVING
-again (a restarted gateway: every worker re-registered).
+again (a restarted gateway: every worker re-registered with it; a worker: every gateway
+replica lists it). With several gateway replicas a gateway fault hits one of them.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ async def fire(cluster: ChaosCluster, fault: Fault, rng: random.Random, catch_s:
     caught = await wait_phase(cluster, target, fault.phase, catch_s)
     record = FaultRecord(fault, target, time.monotonic(), caught)
     log.info("chaos.fault", fault=fault.name, target=target, caught=caught)
-    back_names = cluster.workers() if target == "gateway" else [target]
+    is_gateway = cluster.role(target) == "gateway"
+    back_names = cluster.workers() if is_gateway else [target]
     try:
         if fault.kind == "sigstop":
             cluster.pause(target)
@@ -113,7 +115,8 @@ async def fire(cluster: ChaosCluster, fault: Fault, rng: random.Random, catch_s:
             await asyncio.sleep(restart_delay_s)
             record.until = await cluster.restart_async(target)
         back_names = [n for n in back_names if n not in cluster.expected_exit]
-        record.back_in_routing_s = await cluster.wait_in_routing(back_names, record.until)
+        record.back_in_routing_s = await cluster.wait_in_routing(back_names, record.until,
+                                                                 gateways=[target] if is_gateway else None)
     except (RuntimeError, TimeoutError) as exc:
         record.error = str(exc)
     return record

@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
 
 from bench.chaos.workload import RequestSpec
-from splitserve.v1 import gateway_pb2_grpc
+from plumbing.resume import LOAD_BALANCING, ResumePolicy, gateway_target, generate_resumable
+from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 HANG_SLACK_S = 5.0  # a call still open this long after its deadline is a hang
+RESUME = ResumePolicy(max_retries=40, first_backoff_s=0.05, max_backoff_s=0.5)
 # The client reconnects quickly after a gateway restart (gRPC's default backoff is 1 s, x1.6).
 CLIENT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                   ("grpc.max_reconnect_backoff_ms", 500)]
@@ -34,6 +36,7 @@ class Outcome:
     num_logprobs: int = 0
     finish_reason: int = 0
     migrations: int = 0
+    resumes: int = 0  # continued on another stream (a gateway died): timings.resumes
     first_token_at: float | None = None
     max_gap_s: float = 0.0  # the longest wait between two token chunks
     hung: bool = False
@@ -44,9 +47,17 @@ class Outcome:
         return None if self.first_token_at is None else self.first_token_at - self.start
 
 
-async def one(stub: gateway_pb2_grpc.GatewayStub, spec: RequestSpec, deadline_s: float, phase: str) -> Outcome:
+def _stream(stub: gateway_pb2_grpc.GatewayStub, spec: RequestSpec, deadline_s: float,
+            resume: bool) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    if resume:  # a broken stream goes on, on any gateway, from the tokens received
+        return generate_resumable(stub, spec.to_proto(), timeout_s=deadline_s, policy=RESUME)
+    return stub.Generate(spec.to_proto(), timeout=deadline_s)
+
+
+async def one(stub: gateway_pb2_grpc.GatewayStub, spec: RequestSpec, deadline_s: float, phase: str,
+              resume: bool = False) -> Outcome:
     out = Outcome(spec, phase, time.monotonic())
-    call = stub.Generate(spec.to_proto(), timeout=deadline_s)
+    call = _stream(stub, spec, deadline_s, resume)
     last = out.start
     try:
         async with asyncio.timeout(deadline_s + HANG_SLACK_S):
@@ -65,18 +76,27 @@ async def one(stub: gateway_pb2_grpc.GatewayStub, spec: RequestSpec, deadline_s:
                 if chunk.finish_reason:
                     out.finish_reason = chunk.finish_reason
                     out.migrations = chunk.timings.migrations
-    except grpc.aio.AioRpcError as exc:
+                    out.resumes = chunk.timings.resumes
+    except grpc.RpcError as exc:  # a call's error, or the last one a resuming stream gave up on
         out.code, out.details = exc.code().name, exc.details() or ""
     except TimeoutError:
-        call.cancel()
+        await _close(call)
         out.code, out.hung = "HANG", True
     out.end = time.monotonic()
     return out
 
 
+async def _close(call: object) -> None:
+    if hasattr(call, "cancel"):
+        call.cancel()
+    else:
+        await call.aclose()  # type: ignore[attr-defined]
+
+
 async def drive(address: str, specs: Iterator[RequestSpec], concurrency: int, deadline_s: float,
-                phase: str, keep_going: Callable[[int], bool], outcomes: list[Outcome]) -> None:
-    """Run ``concurrency`` closed-loop clients while ``keep_going(num_issued)``."""
+                phase: str, keep_going: Callable[[int], bool], outcomes: list[Outcome], resume: bool = False) -> None:
+    """Run ``concurrency`` closed-loop clients while ``keep_going(num_issued)``. ``address``:
+    one gateway, or several (comma-separated IP:port), called round-robin."""
     issued = itertools.count()
     num_issued = 0
 
@@ -84,11 +104,11 @@ async def drive(address: str, specs: Iterator[RequestSpec], concurrency: int, de
         nonlocal num_issued
         while keep_going(num_issued):
             num_issued = next(issued) + 1
-            out = await one(stub, next(specs), deadline_s, phase)
+            out = await one(stub, next(specs), deadline_s, phase, resume)
             outcomes.append(out)
             if out.code == "UNAVAILABLE" and not out.token_ids:
                 await asyncio.sleep(0.1)  # the gateway is down or has no worker: do not spin
 
-    async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+    async with grpc.aio.insecure_channel(gateway_target(address), options=CLIENT_OPTIONS + LOAD_BALANCING) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await asyncio.gather(*(client() for _ in range(concurrency)))

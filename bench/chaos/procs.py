@@ -41,8 +41,8 @@ class ChaosCluster(Cluster):
         self._channels: dict[str, grpc.aio.Channel] = {}  # by address (they reconnect after a restart)
 
     def names(self, role: str) -> list[str]:
-        """The processes of a role: ["gateway"], ["prefill-0", ...], ["decode-0", ...]."""
-        return sorted(n for n in self.procs if n.startswith(role))
+        """The processes of a role: ["gateway", "gateway-1", ...], ["prefill-0", ...], ["decode-0", ...]."""
+        return sorted(n for n in self.procs if self.role(n) == role)
 
     def role(self, name: str) -> str:
         return self._commands[name][0]
@@ -103,11 +103,11 @@ class ChaosCluster(Cluster):
             await channel.close()
         self._channels.clear()
 
-    async def serving(self) -> dict[str, float]:
-        """Addresses the gateway lists as SERVING, with the age of the freshest heartbeat it
+    async def serving(self, gateway: str = "gateway") -> dict[str, float]:
+        """Addresses ``gateway`` lists as SERVING, with the age of the freshest heartbeat it
         handled from each (empty when the gateway does not answer)."""
         try:
-            info = await gateway_pb2_grpc.GatewayStub(self.channel("gateway")).GetInfo(
+            info = await gateway_pb2_grpc.GatewayStub(self.channel(gateway)).GetInfo(
                 gateway_pb2.GetInfoRequest(), timeout=1.0)
         except grpc.aio.AioRpcError:
             return {}
@@ -117,17 +117,18 @@ class ChaosCluster(Cluster):
                 ages[w.address] = min(ages.get(w.address, float("inf")), w.heartbeat_age_ms / 1000)
         return ages
 
-    async def wait_in_routing(self, names: list[str], since: float, timeout_s: float = 10.0) -> float | None:
-        """Seconds from ``since`` (ready, or SIGCONT) until the gateway lists every one of
-        ``names`` as SERVING with a registration or heartbeat it handled after ``since``
-        (polled every 20 ms; an entry left from before a pause or a kill does not count);
-        None if not within ``timeout_s``."""
+    async def wait_in_routing(self, names: list[str], since: float, timeout_s: float = 10.0,
+                              gateways: list[str] | None = None) -> float | None:
+        """Seconds from ``since`` (ready, or SIGCONT) until each of ``gateways`` (default:
+        every gateway replica up) lists every one of ``names`` as SERVING with a registration
+        or heartbeat it handled after ``since`` (polled every 20 ms; an entry left from before
+        a pause or a kill does not count); None if not within ``timeout_s``."""
         want = {self.addresses[n] for n in names}
         while time.monotonic() - since < timeout_s:
             asked = time.monotonic()
-            ages = await self.serving()
-            fresh = {a for a, age in ages.items() if age <= asked - since + 0.1}
-            if want <= fresh:
+            up = gateways or [g for g in self.names("gateway") if g not in self.expected_exit]
+            seen = await asyncio.gather(*(self.serving(g) for g in up))
+            if all(want <= {a for a, age in ages.items() if age <= asked - since + 0.1} for ages in seen):
                 return time.monotonic() - since
             await asyncio.sleep(0.02)
         return None

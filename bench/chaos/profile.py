@@ -1,7 +1,9 @@
 """Chaos profiles: how much load, which faults, how long to wait for what.
 
 ``small`` (CI, a few minutes on 2 cores): every fault type once. ``large`` (the harness):
-every fault type once, then faults drawn from the seed up to ``num_faults``. The fault plan
+every fault type once, then faults drawn from the seed up to ``num_faults``. ``replicas``:
+``small`` against 3 gateway replicas with resuming clients (``--num-gateways`` sets any
+profile's). The fault plan
 is a function of the seed alone.
 """
 
@@ -33,11 +35,15 @@ class ChaosProfile:
     gateway_pause_s: float = 1.0
     heartbeat_period_ms: int = 500
     drain_timeout_s: float = 30.0  # after the load: wait for every pool to be free
+    # Gateway replicas (every worker registers with each); with more than one, the load goes
+    # round-robin over all of them and a broken stream resumes on another (plumbing/resume.py).
+    num_gateways: int = 1
+    resume: bool = False  # the load continues broken streams (GenerateRequest.resume)
 
     def __post_init__(self) -> None:
         if self.num_faults < len(fault_types(self)):
             raise ValueError(f"num_faults must be >= {len(fault_types(self))} (every fault type once)")
-        for name in ("min_requests", "baseline_requests", "concurrency", "max_new_tokens"):
+        for name in ("min_requests", "baseline_requests", "concurrency", "max_new_tokens", "num_gateways"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -60,4 +66,7 @@ SMALL = ChaosProfile("small", min_requests=200, baseline_requests=40, num_faults
                      concurrency=4, max_new_tokens=32)
 LARGE = ChaosProfile("large", min_requests=1000, baseline_requests=300, num_faults=45, num_distinct=1000,
                      concurrency=8, max_new_tokens=48, gap_s=2.0, migration_kills=6)
-PROFILES = {p.name: p for p in (SMALL, LARGE)}
+# The small profile against 3 gateway replicas, the load resuming broken streams.
+REPLICAS = ChaosProfile("replicas", min_requests=200, baseline_requests=40, num_faults=15, num_distinct=120,
+                        concurrency=4, max_new_tokens=32, num_gateways=3, resume=True)
+PROFILES = {p.name: p for p in (SMALL, LARGE, REPLICAS)}

@@ -68,6 +68,18 @@ def migration_figures(chaos: list[Outcome], records: list[FaultRecord]) -> dict:
             "failed_examples": [(o.code, o.details[:160]) for o in failed[:5]]}
 
 
+def gateway_figures(profile: ChaosProfile, outcomes: list[Outcome], records: list[FaultRecord]) -> dict:
+    """Gateway replicas and what their faults cost: requests that failed while one was down,
+    and streams that resumed on another (the share of every request that failed too)."""
+    down = [r for r in records if r.fault.role == "gateway"]
+    failed = [o for o in outcomes if o.code != "OK"]
+    while_down = [o for o in failed if any(r.at <= o.end and o.start <= (r.until or o.end) for r in down)]
+    return {"replicas": profile.num_gateways, "resuming_clients": profile.resume, "faults": len(down),
+            "resumed_ok": sum(1 for o in outcomes if o.code == "OK" and o.resumes),
+            "failed_while_a_gateway_was_down": len(while_down),
+            "failed_share": round(len(failed) / len(outcomes), 5) if outcomes else None}
+
+
 def mismatches(outcomes: list[Outcome], golden: dict[int, Golden]) -> list[dict]:
     bad = []
     for o in outcomes:
@@ -130,6 +142,7 @@ def summarize(profile: ChaosProfile, seed: int, model: str, outcomes: list[Outco
         "crashes": [vars(c) for c in crashes], "exit_codes": exit_codes,
         "mismatches": len(bad), "mismatch_examples": bad[:5],
         "faults": faults, "migration": migration_figures(faulted, records), "cost": cost,
+        "gateways": gateway_figures(profile, outcomes, records),
         "errors_by_detail": dict(Counter(f"{o.code}: {o.details[:100]}" for o in outcomes if o.code != "OK").most_common(12)),
         "checks": checks, "passed": all(checks.values()),
     }

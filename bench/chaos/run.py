@@ -27,7 +27,7 @@ DEFAULT_MODEL = str(REPO / "models" / "target")
 
 def make_cluster(model: str, profile: ChaosProfile, log_dir: str | None) -> ChaosCluster:
     return ChaosCluster(
-        model, num_prefill=2, num_decode=2, log_dir=log_dir,
+        model, num_prefill=2, num_decode=2, log_dir=log_dir, num_gateways=profile.num_gateways,
         gateway_flags=["--heartbeat-period-ms", str(profile.heartbeat_period_ms)],
     )
 
@@ -71,14 +71,14 @@ async def _phases(cluster: ChaosCluster, profile: ChaosProfile, seed: int, token
     """warm-up (every distinct request once, so prefix caches are as warm as later) ->
     baseline (no fault) -> migration (decode workers killed mid-decode, when the profile has
     it) -> chaos (the fault plan); then the drain."""
-    address = cluster.addresses["gateway"]
+    address = ",".join(cluster.gateway_addresses)
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_crashes(cluster, stop))
     specs = spec_stream(seed, tokenizer, profile)
     await drive(address, specs, profile.concurrency, profile.deadline_s, "warmup",
-                lambda n: n < profile.num_distinct, outcomes)
+                lambda n: n < profile.num_distinct, outcomes, profile.resume)
     await drive(address, specs, profile.concurrency, profile.deadline_s, "baseline",
-                lambda n: n < profile.baseline_requests, outcomes)
+                lambda n: n < profile.baseline_requests, outcomes, profile.resume)
     plans = [("migration", [Fault("kill", "decode", "decode")] * profile.migration_kills, 0),
              ("chaos", profile.plan(seed), profile.min_requests)]
     for phase, plan, min_requests in plans:
@@ -87,7 +87,8 @@ async def _phases(cluster: ChaosCluster, profile: ChaosProfile, seed: int, token
         injector = asyncio.create_task(inject(cluster, plan, seed, profile.gap_s, profile.catch_s,
                                               profile.restart_delay_s, records, phase))
         await drive(address, specs, profile.concurrency, profile.deadline_s, phase,
-                    lambda n: not injector.done() or n < min_requests, outcomes)  # noqa: B023 - awaited here
+                    lambda n: not injector.done() or n < min_requests, outcomes,  # noqa: B023 - awaited here
+                    profile.resume)
         await injector
     loads = await drain(cluster, profile.drain_timeout_s)
     stop.set()

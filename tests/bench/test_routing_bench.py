@@ -39,3 +39,11 @@ def test_figures_and_goals() -> None:
     assert result["answers_equal"]["matches"] == "1/2"
     table = markdown(figures, result)
     assert "| prompt tokens computed | 164 | 116 | 0.71× |" in table and "| no |" in table
+
+
+def test_cold_replica_hit_ratio() -> None:
+    from bench.routing_replicas import hit_ratio
+
+    records = [_record(0, 0, 100, 0, 0, 0.5), _record(1, 1, 160, 144, 0, 0.125), _record(2, 1, 140, 96, 0, 0.1)]
+    assert hit_ratio(records) == 240 / 400
+    assert hit_ratio([]) == 0.0

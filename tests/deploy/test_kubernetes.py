@@ -63,8 +63,32 @@ def test_every_overlay_validates_against_the_kubernetes_schemas(rendered) -> Non
                                          "PodDisruptionBudget", "NetworkPolicy"}
     assert set(_kinds(docs, "Deployment")) == {"splitserve-gateway", "splitserve-prefill", "splitserve-decode"}
     assert all(d["metadata"]["namespace"] == "splitserve" for d in docs if d["kind"] != "Namespace")
-    headless = [s for s in _kinds(docs, "Service").values() if s["spec"].get("clusterIP") == "None"]
-    assert [s["spec"]["selector"]["splitserve.io/tier"] for s in headless] == ["worker"]
+    headless = {n: s for n, s in _kinds(docs, "Service").items() if s["spec"].get("clusterIP") == "None"}
+    assert set(headless) == {"splitserve-workers", "splitserve-gateway-internal"}
+    assert headless["splitserve-workers"]["spec"]["selector"]["splitserve.io/tier"] == "worker"
+
+
+def test_gateway_replicas_found_by_the_workers_through_a_headless_service(rendered) -> None:  # noqa: ANN001
+    """Two or more gateways, a budget that keeps one through voluntary disruptions, and every
+    worker registering with each one the headless Service's DNS name lists, not-ready ones
+    included (a gateway is not ready until a decode worker registered with it)."""
+    from plumbing.discovery import DnsSource, parse_source
+
+    _, docs = rendered
+    gateway = _kinds(docs, "Deployment")["splitserve-gateway"]
+    assert gateway["spec"]["replicas"] >= 2
+    (budget,) = [b for b in _kinds(docs, "PodDisruptionBudget").values()
+                 if b["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/component") == "gateway"]
+    assert budget["spec"]["minAvailable"] >= 1
+    registry = _kinds(docs, "Service")["splitserve-gateway-internal"]["spec"]
+    assert registry["clusterIP"] == "None" and registry["publishNotReadyAddresses"] is True
+    (internal_port,) = [p["port"] for p in registry["ports"]]
+    for deployment, container in _containers(docs):
+        if container["name"] == "gateway":
+            assert _env(docs, container)["SPLITSERVE_INTERNAL_PORT"] == str(internal_port)
+            continue
+        source = parse_source(_env(docs, container)["SPLITSERVE_GATEWAY"])
+        assert source == DnsSource("splitserve-gateway-internal", internal_port), deployment["metadata"]["name"]
 
 
 def test_a_broken_probe_port_fails_validation(rendered) -> None:  # noqa: ANN001
@@ -142,7 +166,7 @@ def test_gpus_only_in_the_gpu_overlay(rendered) -> None:  # noqa: ANN001
         env = _env(docs, container)
         if name == "gpu" and container["name"] != "gateway":
             assert gpus == 1 and env["SPLITSERVE_DEVICE"] == "cuda" and env["SPLITSERVE_TRANSPORT"] == "nccl"
-            assert env["SPLITSERVE_GATEWAY"] == "splitserve-gateway-internal:50052"  # the base's env is kept
+            assert env["SPLITSERVE_GATEWAY"] == "dns:///splitserve-gateway-internal:50052"  # the base's env is kept
         else:
             assert gpus is None
         if name == "cpu" and container["name"] != "gateway":

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.registry import Registry, WorkerEntry
+from gateway.registry import Registry
+from gateway.workers import WorkerEntry
 from gateway.request import GatewayRequest
 from gateway.routing import LEG_LOCAL, LEG_PREFILL
 from splitserve.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2

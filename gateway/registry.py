@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -33,6 +32,7 @@ import structlog
 from gateway.prefix_index import PrefixIndex
 from gateway.reports import check_kv_events, check_load, check_quantization, check_state
 from gateway.routing import Router
+from gateway.workers import WorkerEntry
 from plumbing.config import RoutingConfig
 from plumbing.identity import mint_id
 from plumbing.channels import ChannelSecurity, PeerChannel
@@ -48,42 +48,6 @@ from splitserve.v1 import (
 log = structlog.get_logger()
 
 
-@dataclass
-class WorkerEntry:
-    worker_id: int
-    role: int
-    address: str
-    channel: PeerChannel  # TLS, the shared secret, certificate rotation (plumbing/channels.py)
-    stub_type: type  # DecodeWorkerStub | PrefillWorkerStub
-    load: common_pb2.WorkerLoad
-    incarnation: int
-    state: int = common_pb2.WORKER_STATE_SERVING
-    last_beat: float = field(default_factory=time.monotonic)
-    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(0, 0))  # its prefix cache, from KV events
-    # Routed by this gateway and not finished yet (decayed by heartbeats' real numbers).
-    num_routed: int = 0
-    num_routed_prefill_tokens: int = 0
-    quantization: str = "none"  # as registered (GetInfo)
-    kv_layout: common_pb2.KVLayout | None = None  # as registered (GetInfo)
-
-    @property
-    def stub(self) -> object:
-        """The worker's stub on the channel for the current credentials."""
-        return self.channel.stub(self.stub_type)
-
-    def kv_pressure(self) -> float:
-        total = max(self.load.kv_blocks_total, 1)
-        used = total - self.load.kv_blocks_free
-        return used / total + self.num_routed / 64.0
-
-    def to_proto(self, now: float) -> gateway_pb2.WorkerInfo:
-        return gateway_pb2.WorkerInfo(
-            worker_id=self.worker_id, role=self.role, address=self.address, state=self.state,
-            load=self.load, heartbeat_age_ms=int((now - self.last_beat) * 1000),
-            quantization=self.quantization, kv_layout=self.kv_layout,
-        )
-
-
 class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
     def __init__(self, model: str, heartbeat_period_ms: int, heartbeat_miss_count: int,
                  incarnation: int | None = None, startup_grace_s: float = 0.0,
@@ -91,7 +55,7 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
                  routing_metrics: RoutingMetrics | None = None) -> None:
         self.model = model
         self.security = security or ChannelSecurity()  # how the gateway dials workers
-        self.router = Router(self, routing or RoutingConfig(), routing_metrics)
+        self.router = Router(self.live, routing or RoutingConfig(), routing_metrics)
         self.incarnation = incarnation or mint_id()
         self._startup_ends = time.monotonic() + startup_grace_s
         self._decode_seen = False  # a decode worker registered since this gateway started

@@ -31,15 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from gateway.prefix_index import prompt_hashes
+from gateway.workers import WorkerEntry
 from plumbing.config import RoutingConfig
 from plumbing.metrics import RoutingMetrics
 from splitserve.v1 import common_pb2
 
-if TYPE_CHECKING:
-    from gateway.registry import Registry, WorkerEntry
 
 REASON_PREFIX = "prefix"  # the chosen worker holds part of the prompt
 REASON_LOAD = "load"  # load alone decided (policy load, or nobody holds any of it)
@@ -72,15 +71,16 @@ class Pick:
 
 
 class Router:
-    """Owned by the registry; reads its live workers and their prefix indexes."""
+    """Owned by the registry; reads its live workers (``live(role)``) and their prefix indexes."""
 
-    def __init__(self, registry: Registry, config: RoutingConfig, metrics: RoutingMetrics | None = None) -> None:
-        self._registry = registry
+    def __init__(self, live: Callable[[int], list[WorkerEntry]], config: RoutingConfig,
+                 metrics: RoutingMetrics | None = None) -> None:
+        self._live = live
         self.config = config
         self._metrics = metrics
 
     def _candidates(self, role: int, req: Routable) -> list[WorkerEntry]:
-        return [w for w in self._registry.live(role) if w.worker_id not in req.excluded]
+        return [w for w in self._live(role) if w.worker_id not in req.excluded]
 
     def num_hit_blocks(self, worker: WorkerEntry, req: Routable) -> int:
         """Leading blocks of the prompt the worker's prefix cache holds, as last reported."""

@@ -42,7 +42,7 @@ from engine.request import Request
 
 
 @dataclass
-class Reservation:
+class ReservedBlocks:
     """Blocks taken for a sequence whose prompt K/V another worker computes."""
 
     blocks: list[KVBlock]
@@ -65,7 +65,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}
         self.held: dict[str, list[KVBlock]] = {}
-        self.reserved: dict[str, Reservation] = {}
+        self.reserved: dict[str, ReservedBlocks] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -223,7 +223,7 @@ class KVCacheManager:
             return None
         self.pool.touch(hits)
         blocks = hits + self.pool.allocate(num_needed)
-        self.reserved[request_id] = Reservation(blocks, num_prompt_tokens, len(hits))
+        self.reserved[request_id] = ReservedBlocks(blocks, num_prompt_tokens, len(hits))
         return [block.block_id for block in blocks]
 
     def reserved_num_tokens(self, request_id: str) -> int | None:

@@ -38,7 +38,7 @@ from engine.sampling_params import SamplingParams
 from plumbing import convert
 from plumbing.config import WorkerConfig
 from plumbing.engine_service import EngineServicer
-from plumbing.rpc import ServiceError, peer_host
+from plumbing.rpc import INCARNATION_KEY, ServiceError, peer_host
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2
 
 log = structlog.get_logger()
@@ -84,6 +84,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        context.set_trailing_metadata(((INCARNATION_KEY, str(self.incarnation)),))  # gateway/legs.py
         rid = str(request.request_id)
         prompt = list(request.prompt_token_ids)
         params = convert.sampling_params_from_proto(request.sampling, request.stopping)

@@ -25,7 +25,8 @@ A reservation may start with prefix-cache hits (``reserve(..., prompt_token_ids)
 
 Each table has exactly one holder: ``req_to_blocks`` (requests in the scheduler),
 ``held`` (finished prefill requests whose prompt pages await transfer) or ``reserved``
-(blocks taken for an incoming sequence whose pages are being received). Held and reserved
+(blocks taken for an incoming sequence whose pages are being received; only the blocks:
+the hand-off's state is the decode worker's ``Reservation``). Held and reserved
 blocks are referenced, so they are never handed out or evicted; reserved blocks are private
 (fresh, unpublished) until adopted.
 """

@@ -6,13 +6,12 @@ peer's join goes on meanwhile. And a channel carrying a transfer is never evicte
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 from types import SimpleNamespace
 
 import grpc
 import pytest
 
+from bench.silent_peer import SilentListener
 from decode_worker import kv_channels
 from decode_worker.kv_channels import MAX_CHANNELS, MAX_JOINS_PER_PEER, ChannelTable
 from plumbing.rpc import ServiceError
@@ -20,28 +19,6 @@ from plumbing.transport.gloo import GlooRendezvous
 from tests.services.test_channel_guard import _handshake, _inbox
 
 SILENT, HONEST = 666, 7  # prefill incarnations: the stalling peer and a well-behaved one
-
-
-class SilentListener:
-    """Accepts every TCP connection and never sends a byte."""
-
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                self.accepted.append(self.server.accept()[0])
-            except OSError:
-                return
-
-    def close(self) -> None:
-        self.server.close()
-        for conn in self.accepted:
-            conn.close()
 
 
 def test_a_silent_rendezvous_stalls_only_its_own_peer_which_then_backs_off() -> None:

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -66,6 +67,7 @@ async def _attack(decode_address: str, layout: common_pb2.KVLayout, port: int, s
             transport=kv_transfer_pb2.TRANSPORT_KIND_GLOO, kv_layout=layout, timeout_ms=60_000,
             prefill_incarnation=incarnation, gloo=kv_transfer_pb2.GlooRendezvous(host="127.0.0.1", port=port))
         while not stop.is_set():
+            outcomes["started"] = outcomes.get("started", 0) + 1  # a join that stalls ends after the burst
             try:
                 await stub.OpenKVChannel(handshake, timeout=90)
                 name = "OK"
@@ -110,7 +112,7 @@ async def _burst(gateway: str, requests: list[RequestSpec], concurrency: int) ->
 
 
 async def _round(cluster: Cluster, requests: list[RequestSpec], args: argparse.Namespace, attacked: bool) -> dict:
-    await asyncio.to_thread(cluster.restart, "prefill-0")  # its lanes must be joined again
+    await asyncio.to_thread(_restart_prefill, cluster)  # its lanes must be joined again
     async with grpc.aio.insecure_channel(cluster.addresses["gateway"]) as channel:
         info = await gateway_pb2_grpc.GatewayStub(channel).GetInfo(gateway_pb2.GetInfoRequest(), timeout=30)
     layout = next(w.kv_layout for w in info.workers if w.role == common_pb2.WORKER_ROLE_DECODE)
@@ -124,6 +126,13 @@ async def _round(cluster: Cluster, requests: list[RequestSpec], args: argparse.N
     outcomes = await attack if attack is not None else {}
     listener.close()
     return {"attacked": attacked, "ttft_s": ttfts, "errors": errors, "attacker_outcomes": outcomes}
+
+
+def _restart_prefill(cluster: Cluster) -> None:
+    cluster.kill("prefill-0", signal.SIGTERM)
+    cluster.restart("prefill-0")
+    cluster._wait_registered(120)  # noqa: SLF001 - the cluster's own wait
+    time.sleep(1.0)  # the gateway's registry settles (the old incarnation replaced)
 
 
 def main() -> None:

@@ -106,15 +106,16 @@ class KVInbox:
         except InvalidTransition:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                "transfer_id was announced already or has ended") from None
-        self._post_receives(reservation, channel, chunks)
+        self._post_receives(reservation, channel, header.channel_id, chunks)
         self._on_announced(reservation)
         return kv_transfer_pb2.TransferAck()
 
-    def _post_receives(self, reservation: Reservation, channel: KVChannel, chunks: list[tuple[int, int]]) -> None:
-        """Every message of the transfer posted now, in order, each into a staging buffer."""
+    def _post_receives(self, reservation: Reservation, channel: KVChannel, channel_id: int,
+                       chunks: list[tuple[int, int]]) -> None:
+        """Every message of the transfer posted now, in order, each into a staging buffer
+        (the channel counts them as in flight until they complete)."""
         dtype = getattr(torch, self.layout.dtype)
         device = torch.device(self._device) if channel.kind == TransportKind.NCCL else torch.device("cpu")
-        channel_id = reservation.header.channel_id if reservation.header is not None else 0
         self.channels.receiving(channel_id, len(chunks))
         for start, num in chunks:
             staging = self._staging.take(self.layout.packed_shape(num), dtype, device)

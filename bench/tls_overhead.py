@@ -13,7 +13,7 @@ torch thread each, the bundled model), started together and measured in alternat
 
 Prompts of 20–200 random tokens, ``--local-prefill-max-tokens 16``: almost every request is
 prefilled remotely, so the internal control plane (Decode stream, Prefill,
-Announce/AwaitTransfer, all over mTLS) is on every request's path. The KV pages themselves
+AnnounceTransfer, all over mTLS) is on every request's path. The KV pages themselves
 travel on Gloo in both (it cannot be encrypted; ``deploy/kubernetes/README.md``).
 
 Figures: output tokens/s over each round's closed-loop burst (median of the rounds), TTFT

@@ -12,8 +12,8 @@ send made for any other transfer fails the receive (and breaks the channel) inst
 filling this reservation. Only the reservation's fresh blocks receive pages: its leading
 prefix-cache hits (``num_cached_blocks``) are already here.
 The transport only touches staging buffers (reused, ``StagingPool``); the receiver thread
-writes each message's pages into the reservation as it lands, under the record's lock
-(which freeing also takes), while later messages are still on the wire, and after the last
+writes each message's pages into the reservation as it lands, under the reservation's lock
+(which freeing also takes: ``reservation.py``), while later messages are still on the wire, and after the last
 queues the admission on the engine thread.
 """
 
@@ -29,32 +29,21 @@ import torch
 
 from decode_worker import kv_channels
 from decode_worker.kv_channels import ChannelTable
-from decode_worker.reservations import ReservationTable, TransferRecord
+from decode_worker.reservation import InvalidTransition, Reservation
+from decode_worker.reservations import ReservationTable
 from engine.engine import Engine
 from engine.kv_layout import KVLayout
 from plumbing import convert
-from plumbing.blocking import DaemonCalls
 from plumbing.metrics import WorkerMetrics
 from plumbing.rpc import ServiceError
-from plumbing.transport import KVChannel, TransferState, TransportKind
+from plumbing.transport import KVChannel, TransportKind
 from plumbing.transport.pages import StagingPool, chunk_ranges
-from plumbing.transport.transfer import InvalidTransition
 from splitserve.v1 import kv_transfer_pb2
 
 log = structlog.get_logger()
-MAX_JOINS_RUNNING = 2  # channel joins at once (each a daemon thread, bounded by the capped timeout)
-MAX_JOINS_QUEUED = 4  # more waiting than this: RESOURCE_EXHAUSTED at once
 MAX_MESSAGES = 1024  # messages one transfer may take (TransferHeader.chunk_blocks)
 # One answer for an unknown transfer id and a wrong secret: nothing tells which ids exist.
 _NO_SUCH_TRANSFER = "transfer_id and transfer_secret name no live transfer here"
-
-STATE_TO_PROTO = {
-    TransferState.PENDING: kv_transfer_pb2.TRANSFER_STATE_PENDING,
-    TransferState.BOOTSTRAPPING: kv_transfer_pb2.TRANSFER_STATE_BOOTSTRAPPING,
-    TransferState.TRANSFERRING: kv_transfer_pb2.TRANSFER_STATE_TRANSFERRING,
-    TransferState.DONE: kv_transfer_pb2.TRANSFER_STATE_DONE,
-    TransferState.FAILED: kv_transfer_pb2.TRANSFER_STATE_FAILED,
-}
 
 
 class KVInbox:
@@ -62,21 +51,19 @@ class KVInbox:
 
     def __init__(self, engine: Engine, table: ReservationTable, device: str, metrics: WorkerMetrics,
                  on_engine_thread: Callable[[Callable[[Engine], None]], object], incarnation: int,
-                 max_timeout_s: float, on_announced: Callable[[TransferRecord], None] = lambda record: None) -> None:
-        self._engine = engine  # unpack_kv only (thread-safe under the record lock)
+                 max_timeout_s: float, on_announced: Callable[[Reservation], None] = lambda record: None) -> None:
+        self._engine = engine  # unpack_kv only (thread-safe under the reservation's lock)
         self._table = table
         self._device = device
         self._metrics = metrics
         self._on_engine_thread = on_engine_thread
         self._incarnation = incarnation
-        self._max_timeout_s = max_timeout_s
         self._on_announced = on_announced  # the first token goes to the Decode stream
         self._staging = StagingPool()
         self.receive_us: dict[str, int] = {}  # request id -> announce to last page written (the stream pops it)
         self.layout: KVLayout = engine.kv_layout
         self.channels = ChannelTable()
-        self._joins: DaemonCalls[KVChannel] = DaemonCalls(
-            "kv_channel_join", MAX_JOINS_RUNNING, MAX_JOINS_QUEUED, discard=lambda channel: channel.close())
+        self.joins = kv_channels.Joins(device, max_timeout_s)
 
     async def open_channel(self, request: kv_transfer_pb2.KVChannelHandshake,
                            caller: str | None) -> kv_transfer_pb2.KVChannelAccept:
@@ -87,8 +74,7 @@ class KVInbox:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"kv_layout: {exc}") from None
         if not request.prefill_incarnation:
             raise ValueError("prefill_incarnation must be set (the prefill worker's incarnation)")
-        timeout_s = min(max(request.timeout_ms, 1) / 1000.0, self._max_timeout_s)
-        channel = await self._joins.run(lambda: kv_channels.join(request, caller, self._device, timeout_s))
+        channel = await self.joins.join(request, caller)
         channel_id = self.channels.add(channel, request.prefill_incarnation, request.lane)
         log.info("kv.channel_open", channel_id=channel_id, transport=channel.kind.value,
                  prefill_worker_id=request.prefill_worker_id, prefill_incarnation=request.prefill_incarnation)
@@ -103,85 +89,68 @@ class KVInbox:
         if channel is None:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                "channel_id is not open here for this prefill_incarnation")
-        record = self._table.lookup(header.transfer_id, header.transfer_secret)
-        if record is None:
+        reservation = self._table.lookup(header.transfer_id, header.transfer_secret)
+        if reservation is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, _NO_SUCH_TRANSFER)
-        if (str(header.request_id) != record.request_id or header.num_prompt_tokens != len(record.prompt_token_ids)
-                or header.num_cached_blocks != record.num_cached_blocks or header.num_blocks != record.num_fresh_blocks):
+        if (str(header.request_id) != reservation.request_id
+                or header.num_prompt_tokens != len(reservation.prompt_token_ids)
+                or header.num_cached_blocks != reservation.num_cached_blocks
+                or header.num_blocks != reservation.num_fresh_blocks):
             raise ValueError("request_id, num_prompt_tokens, num_cached_blocks and num_blocks must be the "
                              "reservation's (num_blocks: the blocks after its num_cached_blocks)")
         chunks = chunk_ranges(header.num_blocks, header.chunk_blocks)
         if len(chunks) > MAX_MESSAGES:
             raise ValueError(f"chunk_blocks: a transfer may be at most {MAX_MESSAGES} messages")
         try:
-            record.transfer.advance(TransferState.BOOTSTRAPPING)
+            reservation.start_receiving(header, len(chunks))
         except InvalidTransition:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                "transfer_id was announced already or has ended") from None
-        record.header = header
-        record.channel_id = header.channel_id
-        self._post_receives(record, channel, chunks)
-        self._on_announced(record)
+        self._post_receives(reservation, channel, header.channel_id, chunks)
+        self._on_announced(reservation)
         return kv_transfer_pb2.TransferAck()
 
-    def _post_receives(self, record: TransferRecord, channel: KVChannel, chunks: list[tuple[int, int]]) -> None:
-        """Every message of the transfer posted now, in order, each into a staging buffer."""
+    def _post_receives(self, reservation: Reservation, channel: KVChannel, channel_id: int,
+                       chunks: list[tuple[int, int]]) -> None:
+        """Every message of the transfer posted now, in order, each into a staging buffer
+        (the channel counts them as in flight until they complete)."""
         dtype = getattr(torch, self.layout.dtype)
         device = torch.device(self._device) if channel.kind == TransportKind.NCCL else torch.device("cpu")
-        record.num_chunks_left = len(chunks)
-        record.recv_started = time.monotonic()
-        record.transfer.advance(TransferState.TRANSFERRING)
+        self.channels.receiving(channel_id, len(chunks))
         for start, num in chunks:
             staging = self._staging.take(self.layout.packed_shape(num), dtype, device)
-            future = channel.recv(staging, tag=record.tag)
-            future.add_done_callback(lambda f, s=start, b=staging: self._on_chunk(record, s, b, f.exception()))
+            future = channel.recv(staging, tag=reservation.tag)
+            future.add_done_callback(
+                lambda f, s=start, b=staging: self._on_chunk(reservation, channel_id, s, b, f.exception()))
 
-    def _on_chunk(self, record: TransferRecord, first_page: int, staging: torch.Tensor,
+    def _on_chunk(self, reservation: Reservation, channel_id: int, first_page: int, staging: torch.Tensor,
                   error: BaseException | None) -> None:
-        """Receiver thread: write one message's pages into the reservation (unless it already
-        ended or failed); after the last, mark the transfer DONE and queue the admission on
-        the engine thread. The first failure fails the transfer."""
-        with record.lock:
-            if record.transfer.finished or record.recv_failed:
-                if error is None:
-                    self._staging.give(staging)
-                    log.debug("kv.late_pages_dropped", transfer_id=record.transfer.transfer_id)
-                return
-            if error is None:
-                try:
-                    self._engine.unpack_kv(record.request_id, staging, first_page=first_page)
-                except Exception as exc:  # noqa: BLE001 - reported like a failed receive
-                    error = exc
-                else:
-                    self._staging.give(staging)
-            if error is not None:
-                record.recv_failed = True
-            else:
-                record.num_chunks_left -= 1
-                if record.num_chunks_left:
-                    return
-                record.transfer.advance(TransferState.DONE)
+        """Receiver thread: write one message's pages into the reservation while it is
+        RECEIVING; after the last (RECEIVED) or the first failure (FAILED), queue the
+        admission (or the freeing) on the engine thread."""
+        self.channels.receiving(channel_id, -1)
+        last: bool | None = None
         if error is None:
-            seconds = time.monotonic() - record.recv_started
-            self.receive_us[record.request_id] = int(seconds * 1e6)
-            self._metrics.transfer_bytes.inc(record.num_fresh_blocks * self.layout.bytes_per_block)
+            try:
+                last = reservation.write_chunk(
+                    lambda: self._engine.unpack_kv(reservation.request_id, staging, first_page=first_page))
+            except Exception:  # noqa: BLE001 - the reservation failed with the reason
+                last = True
+            else:
+                self._staging.give(staging)
+        elif reservation.fail(f"{error}"):
+            last = True
+        if last is None:
+            log.debug("kv.late_pages_dropped", transfer_id=reservation.transfer_id)
+        if not last:
+            return
+        if reservation.error is None:
+            seconds = time.monotonic() - reservation.recv_started
+            self.receive_us[reservation.request_id] = int(seconds * 1e6)
+            self._metrics.transfer_bytes.inc(reservation.num_fresh_blocks * self.layout.bytes_per_block)
             self._metrics.transfer_seconds.observe(seconds)
             self._metrics.transfers.labels(role="decode", outcome="done").inc()
-            self._table.resolve(record)
-        self._on_engine_thread(lambda e: self._table.admit(e, record, error))
-
-    async def await_transfer(self, request: kv_transfer_pb2.AwaitTransferRequest) -> kv_transfer_pb2.TransferStatus:
-        """Wait (up to the request's timeout) until the transfer is DONE or FAILED."""
-        record = self._table.lookup(request.transfer_id, request.transfer_secret, finished_too=True)
-        if record is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, _NO_SUCH_TRANSFER)
-        timeout = min(max(request.timeout_ms, 1) / 1000.0, self._max_timeout_s)
-        try:
-            await asyncio.wait_for(asyncio.shield(record.done), timeout)
-        except asyncio.TimeoutError:
-            pass
-        return kv_transfer_pb2.TransferStatus(state=STATE_TO_PROTO[record.transfer.state],
-                                              error=record.transfer.error or "")
+        self._on_engine_thread(lambda e: self._table.admit(e, reservation))
 
     def close(self) -> None:
         self.channels.close()

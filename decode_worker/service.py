@@ -11,12 +11,13 @@ Remote prefill, as seen from here::
     engine steps ──▶ stream: TokenChunk … DecodeFinished   (a failed transfer: the stream's error)
 
 The reservation takes this worker's own prefix-cache hits first (``Reservation.num_cached_blocks``);
-only the blocks after them receive pages. ``AwaitTransfer`` still answers for a transfer, but the
-prefill worker no longer waits on it: the gateway learns a transfer's fate from this stream.
+only the blocks after them receive pages. The gateway learns a transfer's fate from this stream.
+A local prefill waits for room in the same queue, with the same ``reservation_wait_ms`` and the
+same RESOURCE_EXHAUSTED past it, before the engine takes the prompt.
 
-Reservations (``reservations.py``) live on the engine thread, which is also where leases
-expire and received pages are admitted, so expiry and admission cannot race. The KV
-channels and receives are ``kv_inbox.py``'s.
+A reservation's life is one state machine (``reservation.py``); the table of live ones
+(``reservations.py``) is the engine thread's, which is also where leases expire and received
+pages are admitted. The KV channels and receives are ``kv_inbox.py``'s.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ import grpc
 import structlog
 
 from decode_worker.kv_inbox import KVInbox
-from decode_worker.reservations import ReservationTable, TransferRecord
+from decode_worker.reservation import Reservation
+from decode_worker.reservations import ReservationTable
 from engine.engine import Engine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from plumbing import convert
 from plumbing.config import WorkerConfig
 from plumbing.engine_service import EngineServicer
-from plumbing.rpc import ServiceError, peer_host
+from plumbing.rpc import INCARNATION_KEY, ServiceError, peer_host
 from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2
 
 log = structlog.get_logger()
@@ -61,15 +63,15 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
     def blocks_in_transfer(self) -> int:
         return self.reservations.num_blocks
 
-    def _first_token(self, record: TransferRecord) -> None:
+    def _first_token(self, reservation: Reservation) -> None:
         """Event loop, on an accepted announce: the first token to the request's stream, ahead
         of the pages (its tokens from the engine can only follow the admission)."""
-        header = record.header
+        header = reservation.header
         assert header is not None
         first = decode_pb2.FirstToken(token_id=header.first_token_id)
         if header.HasField("first_logprob"):
             first.logprob.CopyFrom(header.first_logprob)
-        queue = self.queues.get(record.request_id)
+        queue = self.queues.get(reservation.request_id)
         if queue is not None:
             queue.put_nowait(first)
 
@@ -82,6 +84,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        context.set_trailing_metadata(((INCARNATION_KEY, str(self.incarnation)),))  # gateway/legs.py
         rid = str(request.request_id)
         prompt = list(request.prompt_token_ids)
         params = convert.sampling_params_from_proto(request.sampling, request.stopping)
@@ -96,15 +99,13 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         finished = False
         start = time.monotonic()
         try:
-            if request.prefill_mode == decode_pb2.PREFILL_MODE_LOCAL:
-                await self.on_engine_thread(
-                    lambda e: e.add_request(prompt, params, request_id=rid, num_prior_draws=num_prior))
-            else:
-                record = await self._reserve(rid, prompt, params, request)
+            local = request.prefill_mode == decode_pb2.PREFILL_MODE_LOCAL
+            reservation = await self._reserve(rid, prompt, params, request, local)
+            if reservation is not None:
                 yield decode_pb2.DecodeResponse(reserved=decode_pb2.Reservation(
-                    transfer_id=record.transfer.transfer_id, num_blocks=len(record.block_ids),
-                    transfer_secret=record.secret, incarnation=self.incarnation,
-                    num_cached_blocks=record.num_cached_blocks))
+                    transfer_id=reservation.transfer_id, num_blocks=len(reservation.block_ids),
+                    transfer_secret=reservation.secret, incarnation=self.incarnation,
+                    num_cached_blocks=reservation.num_cached_blocks))
             async for response in self._stream(request, queue, start):
                 finished = response.WhichOneof("event") == "finished"
                 yield response
@@ -161,22 +162,25 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         return chunk
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams,
-                       request: decode_pb2.DecodeRequest) -> TransferRecord:
-        """Blocks for the prompt's pages, waiting (event-driven, in arrival order) up to
-        ``reservation_wait_ms`` for them to free up."""
+                       request: decode_pb2.DecodeRequest, local: bool) -> Reservation | None:
+        """Blocks for the prompt's pages (remote: the reservation), or room for its local
+        prefill (then the engine has the request: None), waiting (event-driven, in arrival
+        order) up to ``reservation_wait_ms`` for them to free up."""
         wait_s = max(request.reservation_wait_ms, 1) / 1000.0
         lease_s = min(max(request.lease_ms, 1), self.config.max_lease_ms) / 1000.0
+        num_prior = request.num_prior_output_tokens
+        table = self.reservations
         granted = await self.on_engine_thread(
-            lambda e: self.reservations.request(e, rid, prompt, params, lease_s, wait_s,
-                                                request.num_prior_output_tokens))
-        record = await granted
-        if record is None:
+            (lambda e: table.request_local(e, rid, prompt, params, wait_s, num_prior)) if local else
+            (lambda e: table.request(e, rid, prompt, params, lease_s, wait_s, num_prior)))
+        result = await granted
+        if result is None:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"no room for {len(prompt)} prompt tokens in the KV pool within "
                 f"reservation_wait_ms={request.reservation_wait_ms}",
             )
-        return record
+        return None if local else result
 
     # -- KV channel ----------------------------------------------------------------------
     async def OpenKVChannel(
@@ -188,11 +192,6 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         self, header: kv_transfer_pb2.TransferHeader, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.TransferAck:
         return self.inbox.announce(header)
-
-    async def AwaitTransfer(
-        self, request: kv_transfer_pb2.AwaitTransferRequest, context: grpc.aio.ServicerContext
-    ) -> kv_transfer_pb2.TransferStatus:
-        return await self.inbox.await_transfer(request)
 
 
 def add_to_server(worker: DecodeWorker, server: grpc.aio.Server) -> None:

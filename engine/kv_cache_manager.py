@@ -25,7 +25,8 @@ A reservation may start with prefix-cache hits (``reserve(..., prompt_token_ids)
 
 Each table has exactly one holder: ``req_to_blocks`` (requests in the scheduler),
 ``held`` (finished prefill requests whose prompt pages await transfer) or ``reserved``
-(blocks taken for an incoming sequence whose pages are being received). Held and reserved
+(blocks taken for an incoming sequence whose pages are being received; only the blocks:
+the hand-off's state is the decode worker's ``Reservation``). Held and reserved
 blocks are referenced, so they are never handed out or evicted; reserved blocks are private
 (fresh, unpublished) until adopted.
 """
@@ -42,7 +43,7 @@ from engine.request import Request
 
 
 @dataclass
-class Reservation:
+class ReservedBlocks:
     """Blocks taken for a sequence whose prompt K/V another worker computes."""
 
     blocks: list[KVBlock]
@@ -65,7 +66,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}
         self.held: dict[str, list[KVBlock]] = {}
-        self.reserved: dict[str, Reservation] = {}
+        self.reserved: dict[str, ReservedBlocks] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -223,7 +224,7 @@ class KVCacheManager:
             return None
         self.pool.touch(hits)
         blocks = hits + self.pool.allocate(num_needed)
-        self.reserved[request_id] = Reservation(blocks, num_prompt_tokens, len(hits))
+        self.reserved[request_id] = ReservedBlocks(blocks, num_prompt_tokens, len(hits))
         return [block.block_id for block in blocks]
 
     def reserved_num_tokens(self, request_id: str) -> int | None:

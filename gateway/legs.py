@@ -16,6 +16,13 @@ prompt when no prefill worker is alive, are prefilled by the decode worker itsel
 prefills the prompt plus those tokens the same way, with the budgets that are left. A leg
 that fails cancels the other (the workers free their blocks in their handlers' ``finally``)
 and raises ``LegFailed`` naming the worker to blame; the service decides whether to retry.
+
+A lost connection is told by its status and by who answered, never by the error's text: an
+UNAVAILABLE that the worker's own process sent carries its incarnation in the trailing
+metadata (``INCARNATION_KEY``); one without it (the connection broke, nobody answered) or
+with another incarnation (a restarted process at that address) means the worker registered
+is gone. A DEADLINE_EXCEEDED from a worker while the client's own deadline still has time
+is an internal deadline: it is retried as UNAVAILABLE, never shown to the client as its own.
 """
 
 from __future__ import annotations
@@ -31,26 +38,44 @@ from gateway.registry import Registry
 from gateway.workers import WorkerEntry
 from gateway.request import GatewayRequest
 from gateway.routing import LEG_LOCAL, LEG_PREFILL
+from plumbing.rpc import INCARNATION_KEY
 from splitserve.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
 
-# gRPC details that mean the peer process is gone (as opposed to an application error).
 PREFILL_ANSWER_GRACE_S = 2.0  # how long a finished stream waits for the prefill's answer (its timings)
-_CONNECTION_LOST = ("Socket closed", "Connection reset", "failed to connect", "Connection refused",
-                    "connections to all backends failing", "recvmsg", "Broken pipe", "GOAWAY")
+MIN_CLIENT_TIME_S = 0.05  # a worker's DEADLINE_EXCEEDED with less client time left than this is the client's
 
 
 class LegFailed(Exception):
     """A worker leg failed before the request finished."""
 
-    def __init__(self, worker: WorkerEntry, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, worker: WorkerEntry, code: grpc.StatusCode, details: str,
+                 answered_by: int | None = None) -> None:
         super().__init__(f"{code.name}: {details}")
         self.worker = worker
         self.code = code
         self.details = details
+        self.answered_by = answered_by  # the incarnation that sent the error (None: nobody did)
 
     @property
     def connection_lost(self) -> bool:
-        return self.code == grpc.StatusCode.UNAVAILABLE and any(s in self.details for s in _CONNECTION_LOST)
+        """The registered process is gone: UNAVAILABLE that it did not send itself."""
+        return self.code == grpc.StatusCode.UNAVAILABLE and self.answered_by != self.worker.incarnation
+
+    @classmethod
+    def of(cls, worker: WorkerEntry, exc: grpc.aio.AioRpcError, req: GatewayRequest) -> LegFailed:
+        """The failure of a call to ``worker``, an internal deadline counted as UNAVAILABLE."""
+        code, details = exc.code(), exc.details() or ""
+        remaining = req.time_remaining()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and (remaining is None or remaining > MIN_CLIENT_TIME_S):
+            code, details = grpc.StatusCode.UNAVAILABLE, f"a worker's internal deadline passed: {details}"
+        return cls(worker, code, details, _incarnation(exc))
+
+
+def _incarnation(exc: grpc.aio.AioRpcError) -> int | None:
+    for key, value in exc.trailing_metadata() or ():
+        if key == INCARNATION_KEY and isinstance(value, str) and value.isdigit():
+            return int(value)
+    return None
 
 
 class NoWorker(Exception):
@@ -120,7 +145,7 @@ class Legs:
         """The decode stream's next message (None at its end), or the first token from the
         prefill's answer when that came first. LegFailed names the worker to blame."""
         if self._read is None:
-            self._read = asyncio.ensure_future(_read(self.call, self.decode))
+            self._read = asyncio.ensure_future(_read(self.call, self.decode, self.req))
         leg = self.prefill
         if leg is not None and not leg.settled:
             await asyncio.wait({leg.task, self._read}, return_when=asyncio.FIRST_COMPLETED)
@@ -137,7 +162,7 @@ class Legs:
                 if isinstance(exc, LegFailed) and not exc.connection_lost:
                     # The decode worker is alive but gave up on the pages (lease, failed
                     # receive): the prefill side is the one to avoid on the retry.
-                    raise LegFailed(leg.worker, exc.code, exc.details)
+                    raise LegFailed(leg.worker, exc.code, exc.details, leg.worker.incarnation)
                 raise exc  # type: ignore[misc]
             if first is not None:
                 return decode_pb2.DecodeResponse(first_token=first)  # the read stays pending
@@ -149,7 +174,7 @@ class Legs:
         try:
             result = leg.task.result()
         except grpc.aio.AioRpcError as exc:
-            raise LegFailed(leg.worker, exc.code(), exc.details() or "") from None
+            raise LegFailed.of(leg.worker, exc, self.req) from None
         except asyncio.CancelledError:
             raise LegFailed(leg.worker, grpc.StatusCode.CANCELLED, "prefill call cancelled") from None
         leg.settled = True
@@ -181,7 +206,7 @@ class Legs:
 async def _start_prefill(req: GatewayRequest, prompt: list[int], registry: Registry, legs: Legs) -> PrefillLeg:
     """Wait for the reservation, then start the prefill leg on the worker routing picks."""
     decode = legs.decode
-    reserved = await _read(legs.call, decode)
+    reserved = await _read(legs.call, decode, req)
     if reserved is None or reserved.WhichOneof("event") != "reserved":
         raise LegFailed(decode, grpc.StatusCode.INTERNAL, "decode stream did not start with a reservation")
     route = registry.router.pick_prefill(req)
@@ -234,7 +259,8 @@ async def _decode_stream(
     while True:
         msg = await legs.next()
         if msg is None:
-            raise LegFailed(legs.decode, grpc.StatusCode.UNAVAILABLE, "decode stream ended without a finish")
+            raise LegFailed(legs.decode, grpc.StatusCode.UNAVAILABLE, "decode stream ended without a finish",
+                            legs.decode.incarnation)
         kind = msg.WhichOneof("event")
         if kind == "first_token":
             leg = legs.prefill
@@ -264,11 +290,12 @@ async def _decode_stream(
             return
 
 
-async def _read(call: grpc.aio.UnaryStreamCall, worker: WorkerEntry) -> decode_pb2.DecodeResponse | None:
+async def _read(call: grpc.aio.UnaryStreamCall, worker: WorkerEntry,
+                req: GatewayRequest) -> decode_pb2.DecodeResponse | None:
     try:
         msg = await call.read()
     except grpc.aio.AioRpcError as exc:
-        raise LegFailed(worker, exc.code(), exc.details() or "") from None
+        raise LegFailed.of(worker, exc, req) from None
     return None if msg is grpc.aio.EOF else msg
 
 

@@ -97,11 +97,36 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         # echoed; the minted id keys the request between the services (unguessable).
         log_id = check_request_id(metadata_value(context, REQUEST_ID_KEY)) or str(rid)
         structlog.contextvars.bind_contextvars(request_id=log_id)
-        await context.send_initial_metadata(((REQUEST_ID_KEY, log_id),))
-        if self.num_in_flight >= self.config.max_in_flight:
-            self.metrics.requests.labels(outcome="resource_exhausted").inc()
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{self.num_in_flight} requests in flight (max_in_flight={self.config.max_in_flight})")
+        admitted = self.num_in_flight < self.config.max_in_flight
+        if admitted:  # taken before any await: concurrent requests cannot all pass the check
+            self.num_in_flight += 1
+            self.metrics.in_flight.inc()
+        req: GatewayRequest | None = None
+        outcome = "error"
+        try:
+            await context.send_initial_metadata(((REQUEST_ID_KEY, log_id),))
+            if not admitted:
+                self.metrics.requests.labels(outcome="resource_exhausted").inc()
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.num_in_flight} requests in flight "
+                                   f"(max_in_flight={self.config.max_in_flight})")
+            req = await self._admit(request, context, rid, log_id)
+            async for response in self._with_retries(req):
+                if response.finish_reason:
+                    outcome = common_pb2.FinishReason.Name(response.finish_reason).lower()
+                yield response
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled at a yield
+            outcome = "cancelled"
+            raise
+        finally:
+            if admitted:
+                self.num_in_flight -= 1
+                self.metrics.in_flight.dec()
+            if req is not None:
+                self._record_done(req, outcome)
+
+    async def _admit(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                     rid: int, log_id: str) -> GatewayRequest:
+        """The validated request, with what its legs send along."""
         validated = await self._validate(request)
         metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, log_id),)
         traceparent = metadata_value(context, TRACEPARENT_KEY)
@@ -111,21 +136,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                                                         validated.stop_strings),
                              metadata, context.time_remaining, self.metrics)
         req.resume()  # a resumed request: the tokens (and text) its client already has
-        self.num_in_flight += 1
-        self.metrics.in_flight.inc()
-        outcome = "error"
-        try:
-            async for response in self._with_retries(req):
-                if response.finish_reason:
-                    outcome = common_pb2.FinishReason.Name(response.finish_reason).lower()
-                yield response
-        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled at a yield
-            outcome = "cancelled"
-            raise
-        finally:
-            self.num_in_flight -= 1
-            self.metrics.in_flight.dec()
-            self._record_done(req, outcome)
+        return req
 
     async def _validate(self, request: gateway_pb2.GenerateRequest) -> ValidatedRequest:
         """``validation.validate``, its costly middle step off the event loop."""

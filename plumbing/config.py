@@ -103,7 +103,7 @@ class WorkerConfig:
     gateway: str  # the gateways' registries: a discovery source (plumbing/discovery.py)
     gateway_refresh_s: float = 1.0  # ask the discovery source again this often
     transport: str = "auto"  # auto: nccl on CUDA, gloo otherwise
-    transfer_timeout_s: float = 30.0  # one channel operation (one message), and AwaitTransfer
+    transfer_timeout_s: float = 30.0  # one channel operation (one message), and one KV channel join
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
     max_reservations_per_request: int = 8  # decode: reservations one request id may take (leases are not renewable without end)
     kv_chunk_bytes: int = 8 << 20  # prefill: KV pages per message on the channel, in bytes (pipelined)

@@ -23,6 +23,9 @@ from plumbing.reflection import add_reflection
 from plumbing.transport import TransportError, TransportUnavailable
 
 REQUEST_ID_KEY = "x-request-id"
+# Trailing metadata of a worker's answers: its incarnation, so a caller tells an error the
+# process sent from a lost connection (no trailer) or a restarted process (another one).
+INCARNATION_KEY = "splitserve-incarnation"
 TRACEPARENT_KEY = "traceparent"  # W3C trace context, passed through to the workers
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.:")

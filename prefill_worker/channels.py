@@ -22,6 +22,12 @@ new channel when next used. A channel is used only with the decode incarnation i
 with: a transfer whose target (``DecodeTarget.incarnation``) is another incarnation reopens
 it first, so a channel to a dead process is never kept just because no transfer failed on it.
 Every send is framed with its transfer's tag (``plumbing.identity.frame_tag``).
+
+A handshake with a peer that fails (its join timed out or was refused) puts that peer in
+back-off (``JOIN_BACKOFF_S`` doubling up to ``MAX_JOIN_BACKOFF_S``): its transfers fail at once
+with UNAVAILABLE until then, and the gateway retries elsewhere or prefills locally; other
+peers are not affected. An internal deadline (the handshake's or the announce's) is reported
+as UNAVAILABLE, never as DEADLINE_EXCEEDED, which the client would take for its own.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from plumbing.transport.pages import StagingPool, chunk_ranges, send_chunks
 from splitserve.v1 import decode_pb2_grpc, kv_transfer_pb2
 
 log = structlog.get_logger()
+JOIN_BACKOFF_S, MAX_JOIN_BACKOFF_S = 0.5, 30.0
 PackChunk = Callable[[int, int, torch.Tensor], object]  # (first page, pages, buffer to fill)
 
 
@@ -78,6 +85,8 @@ class Peer:
     lanes: list[Lane]
     idle: asyncio.Semaphore  # counts lanes not busy
     opening: asyncio.Lock = field(default_factory=asyncio.Lock)  # one handshake at a time per pair
+    num_failed_opens: int = 0  # handshakes failed in a row
+    retry_at: float = 0.0  # no handshake before this (time.monotonic())
 
     @property
     def stub(self) -> decode_pb2_grpc.DecodeWorkerStub:
@@ -153,7 +162,7 @@ class ChannelPool:
             lane.drop_channel(peer.address, "broken" if lane.channel.broken else "the decode worker restarted")
         if lane.channel is None:
             async with peer.opening:
-                await self._open(peer, lane)
+                await self._open_or_back_off(peer, lane)
         if lane.incarnation != incarnation:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"the decode worker at {peer.address} is not the incarnation that holds the reservation")
@@ -184,7 +193,30 @@ class ChannelPool:
             lane.drop_channel(peer.address, f"transfer failed: {reason}")
             announce.cancel()
             announce.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if _is_deadline(exc):
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                   f"KV transfer to {peer.address} timed out") from None
             raise
+
+    async def _open_or_back_off(self, peer: Peer, lane: Lane) -> None:
+        """Open ``lane``'s channel unless ``peer`` is backing off; a failure starts (or
+        doubles) its back-off. Internal deadlines come out as UNAVAILABLE."""
+        wait_s = peer.retry_at - time.monotonic()
+        if wait_s > 0:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"KV channel to {peer.address} failed; backing off {wait_s:.1f} s more")
+        try:
+            await self._open(peer, lane)
+        except Exception as exc:
+            backoff_s = min(JOIN_BACKOFF_S * 2 ** peer.num_failed_opens, MAX_JOIN_BACKOFF_S)
+            peer.num_failed_opens += 1
+            peer.retry_at = time.monotonic() + backoff_s
+            log.info("kv.channel_open_failed", peer=peer.address, backoff_s=backoff_s, error=type(exc).__name__)
+            if _is_deadline(exc):
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                   f"KV channel handshake with {peer.address} timed out") from None
+            raise
+        peer.num_failed_opens, peer.retry_at = 0, 0.0
 
     async def _open(self, peer: Peer, lane: Lane) -> None:
         handshake = kv_transfer_pb2.KVChannelHandshake(
@@ -236,6 +268,13 @@ class ChannelPool:
             peer.drop_channels("shutdown")
             await peer.rpc_channel.close()
         self._peers.clear()
+
+
+def _is_deadline(exc: BaseException) -> bool:
+    """An internal deadline: a call to the decode worker, or a wait here, that timed out."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    return isinstance(exc, TimeoutError)
 
 
 def _settled(task: asyncio.Task[None], peer: Peer, lane: Lane) -> None:

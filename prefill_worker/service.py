@@ -26,7 +26,7 @@ from engine.sampling_params import SamplingParams
 from plumbing import convert
 from plumbing.config import WorkerConfig
 from plumbing.identity import TRANSFER_SECRET_BYTES, frame_tag
-from plumbing.rpc import ServiceError
+from plumbing.rpc import INCARNATION_KEY, ServiceError
 from plumbing.transport.pages import chunk_blocks_for
 from splitserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from plumbing.engine_service import EngineServicer
@@ -55,6 +55,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
+        context.set_trailing_metadata(((INCARNATION_KEY, str(self.incarnation)),))  # gateway/legs.py
         rid = str(request.request_id)
         prompt = list(request.prompt_token_ids)
         params = convert.sampling_params_from_proto(request.sampling, request.stopping).for_prefill()

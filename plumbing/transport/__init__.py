@@ -1,5 +1,5 @@
 """KV transport: 2-rank channels that carry packed KV pages from a prefill worker to a
-decode worker, and the per-transfer state machine.
+decode worker. (A hand-off's state machine is the decode worker's ``Reservation``.)
 
 Kept light: importing this package imports neither torch nor NCCL. The concrete channels
 live in ``plumbing.transport.gloo`` (CPU, TCP) and ``plumbing.transport.nccl`` (CUDA).
@@ -12,14 +12,10 @@ from plumbing.transport.base import (
     TransportKind,
     TransportUnavailable,
 )
-from plumbing.transport.transfer import InvalidTransition, Transfer, TransferState
 
 __all__ = [
-    "InvalidTransition",
     "KVChannel",
-    "Transfer",
     "TransferCancelled",
-    "TransferState",
     "TransportError",
     "TransportKind",
     "TransportUnavailable",

@@ -34,6 +34,7 @@ peer's pending ops fail at once too.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -41,6 +42,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from plumbing.transport.deadline import cut_after
 from plumbing.transport.base import TransferCancelled, TransportError, TransportKind
 from plumbing.transport.framed import (
     FRAME_NUMEL,
@@ -141,15 +143,22 @@ class GlooRendezvous:
 
 
 def connect_gloo(host: str, port: int, timeout_s: float = 30.0) -> GlooChannel:
-    """Rank-1 side: join the rendezvous at ``host``:``port``; blocks until the group forms."""
+    """Rank-1 side: join the rendezvous at ``host``:``port``; blocks until the group forms,
+    at most about ``timeout_s`` in all (a peer that accepts and never answers included:
+    ``deadline.cut_after``); TransportError otherwise."""
     check_timeout(timeout_s)
+    deadline = time.monotonic() + timeout_s
     try:
-        store = dist.TCPStore(
-            host, port, world_size=2, is_master=False, timeout=timedelta(seconds=timeout_s)
-        )
+        with cut_after(host, port, timeout_s):
+            store = dist.TCPStore(
+                host, port, world_size=2, is_master=False, timeout=timedelta(seconds=timeout_s)
+            )
     except (RuntimeError, OSError) as exc:
         raise TransportError(f"cannot reach gloo rendezvous at {host}:{port}: {exc}") from exc
-    pg = _form_group(store, 1, _local_address_towards(host, port), timeout_s)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TransportError(f"gloo rendezvous at {host}:{port} answered after the join's deadline")
+    pg = _form_group(store, 1, _local_address_towards(host, port), remaining)
     return GlooChannel(pg, store, rank=1, timeout_s=timeout_s)
 
 

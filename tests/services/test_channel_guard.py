@@ -47,15 +47,17 @@ def test_the_nccl_bootstrap_address_is_read_from_the_unique_id() -> None:
     assert info.value.code == grpc.StatusCode.PERMISSION_DENIED and "nccl_unique_id" in info.value.message
 
 
-def _inbox() -> KVInbox:
+def _inbox(max_timeout_s: float = 2.0) -> KVInbox:
     engine = SimpleNamespace(kv_layout=LAYOUT)
-    return KVInbox(engine, None, "cpu", None, lambda fn: None, incarnation=5, max_timeout_s=2.0)  # type: ignore[arg-type]
+    return KVInbox(engine, None, "cpu", None, lambda fn: None, incarnation=5,  # type: ignore[arg-type]
+                   max_timeout_s=max_timeout_s)
 
 
-def _handshake(host: str, timeout_ms: int) -> kv_transfer_pb2.KVChannelHandshake:
+def _handshake(host: str, timeout_ms: int, prefill_incarnation: int = 3) -> kv_transfer_pb2.KVChannelHandshake:
     return kv_transfer_pb2.KVChannelHandshake(
         transport=kv_transfer_pb2.TRANSPORT_KIND_GLOO, kv_layout=kv_layout_to_proto(LAYOUT),
-        gloo=kv_transfer_pb2.GlooRendezvous(host=host, port=9), timeout_ms=timeout_ms, prefill_incarnation=3)
+        gloo=kv_transfer_pb2.GlooRendezvous(host=host, port=9), timeout_ms=timeout_ms,
+        prefill_incarnation=prefill_incarnation)
 
 
 def test_a_handshake_naming_another_host_is_refused_and_the_timeout_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:

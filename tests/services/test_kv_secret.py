@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from plumbing.identity import frame_tag
-from plumbing.transport import TransferState
-from tests.services.test_kv_inbox import PREFILL_INCARNATION, Harness, _pages_like, _pair
+from decode_worker.reservation import Phase
+from tests.services.test_kv_inbox import PREFILL_INCARNATION, Harness, _pages_like, _pair, until_phase
 
 
 def test_pages_framed_without_the_transfers_secret_never_land() -> None:
@@ -24,12 +24,11 @@ def test_pages_framed_without_the_transfers_secret_never_land() -> None:
         before = h.pages(a).clone()
         h.inbox.announce(h.header(a, channel_id))  # the receive is posted for A
         guessed = secrets.token_bytes(len(a.secret))  # A's transfer id is known, its secret is not
-        forged = sender.send(_pages_like(h, a, 9.0), tag=frame_tag(a.transfer.transfer_id, guessed))
+        forged = sender.send(_pages_like(h, a, 9.0), tag=frame_tag(a.transfer_id, guessed))
         with pytest.raises(Exception, match="tag mismatch"):
             await asyncio.wait_for(asyncio.wrap_future(forged), 10)
-        await asyncio.wait_for(asyncio.shield(a.done), 10)
-        await asyncio.sleep(0.05)  # the admission callback ran on the loop
-        assert a.transfer.state == TransferState.FAILED and receiver.broken
+        await until_phase(a, Phase.FAILED)
+        assert a.transfer_id not in h.table.pending and receiver.broken
         assert torch.equal(h.pages(a), before)  # not one page written
         assert "404" in h.pushed  # the decode stream is told; its blocks are freed by the table
         h.engine.check_integrity()

@@ -136,7 +136,7 @@ def kv_bytes(engines: dict[str, Engine], model: Path) -> dict:
         engine = engines[name]
         layout = engine.kv_layout
         per_token[name] = layout.bytes_per_block // layout.block_size
-        packed = engine.pack_kv(list(range(256 // layout.block_size)))  # a 256-token prompt's pages
+        packed = engine.handoff.pack_kv(list(range(256 // layout.block_size)))  # a 256-token prompt's pages
         handoff[name] = packed.numel() * packed.element_size()
         cfg = EngineConfig(model=str(model), kv_cache_bytes=KV_BUDGET_BYTES, **CONFIGS[name])
         spec = engine.spec

@@ -133,7 +133,7 @@ class KVInbox:
         if error is None:
             try:
                 last = reservation.write_chunk(
-                    lambda: self._engine.unpack_kv(reservation.request_id, staging, first_page=first_page))
+                    lambda: self._engine.handoff.unpack_kv(reservation.request_id, staging, first_page=first_page))
             except Exception:  # noqa: BLE001 - the reservation failed with the reason
                 last = True
             else:

@@ -106,7 +106,7 @@ class ReservationTable:
         while self._waiters:
             waiter = self._waiters[0]
             try:
-                block_ids = engine.reserve_kv(waiter.request_id, len(waiter.prompt_token_ids),
+                block_ids = engine.handoff.reserve_kv(waiter.request_id, len(waiter.prompt_token_ids),
                                               waiter.prompt_token_ids)
                 if block_ids is None:
                     return  # first come, first served: later waiters do not jump the queue
@@ -121,7 +121,7 @@ class ReservationTable:
         reservation = Reservation(
             waiter.request_id, mint_id(), mint_secret(), block_ids, waiter.prompt_token_ids, waiter.params,
             lease_deadline=time.monotonic() + waiter.lease_s, num_prior_draws=waiter.num_prior_draws,
-            num_cached_blocks=engine.reserved_num_cached_blocks(waiter.request_id),
+            num_cached_blocks=engine.handoff.reserved_num_cached_blocks(waiter.request_id),
         )
         self._num_granted[waiter.request_id] = self._num_granted.pop(waiter.request_id, 0) + 1
         while len(self._num_granted) > MAX_COUNTED_IDS:
@@ -157,7 +157,7 @@ class ReservationTable:
         ends), once; ``error`` ends the request's Decode stream."""
         if self.pending.pop(reservation.transfer_id, None) is not reservation:
             return
-        reservation.release(reason, lambda: engine.cancel_reservation(reservation.request_id))
+        reservation.release(reason, lambda: engine.handoff.cancel_reservation(reservation.request_id))
         self.num_blocks -= len(reservation.block_ids)
         self._on_failed()
         log.info("kv.reservation_freed", request_id=reservation.request_id, reason=reservation.error)
@@ -210,7 +210,7 @@ class ReservationTable:
 def _start_local(engine: Engine, waiter: _Waiter, block_ids: list[int]) -> bool:
     """A local prefill's room was found: hand the blocks back and queue the prompt in the same
     engine-thread call, so nothing else can take them first."""
-    engine.cancel_reservation(waiter.request_id)
+    engine.handoff.cancel_reservation(waiter.request_id)
     engine.add_request(waiter.prompt_token_ids, waiter.params, request_id=waiter.request_id,
                        num_prior_draws=waiter.num_prior_draws)
     return True
@@ -220,7 +220,7 @@ def _admit_prefilled(engine: Engine, reservation: Reservation) -> None:
     header = reservation.header
     assert header is not None
     first = header.first_logprob if header.HasField("first_logprob") else None
-    engine.admit_prefilled(
+    engine.handoff.admit_prefilled(
         reservation.request_id, reservation.prompt_token_ids, header.first_token_id, reservation.params,
         first_logprob=first.logprob if first is not None else None,
         first_top_logprobs=dict(first.top_logprobs) if first is not None and reservation.params.logprobs else None,

@@ -5,7 +5,7 @@ forward, samples, and returns the requests that advanced. Not thread-safe: one l
 an ``Engine``; other threads hand it work through a queue.
 
 The KV hand-off between a prefill and a decode worker (hold, pack, release; reserve,
-unpack, admit) is ``engine/kv_handoff.py``'s part of the class.
+unpack, admit) is the part it holds as ``handoff`` (``engine/kv_handoff.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventLog
 from engine.kv_handoff import KVHandoff
+from engine.kv_layout import KVLayout
 from engine.model_runner import ModelRunner, SampledToken
 from engine.models.spec import eos_token_ids, load_tokenizer
 from engine.spec_decode.metrics import SpecDecodeStats
@@ -44,7 +45,7 @@ class EngineStats:
     num_received_prompt_tokens: int = 0  # prompt tokens whose K/V came from another worker
 
 
-class Engine(KVHandoff):
+class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
@@ -66,6 +67,13 @@ class Engine(KVHandoff):
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Outputs of requests that finished on admission (admit_prefilled), for step().
         self._early_outputs: list[RequestOutput] = []
+        # The KV hand-off API (reserve / unpack / admit; hold / pack / release), a part of this engine.
+        self.handoff = KVHandoff(self)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The paged-KV shape both workers must agree on before exchanging pages."""
+        return self.runner.kv_layout
 
     # -- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:

@@ -11,46 +11,68 @@ tensors; nothing here touches a network)::
                                                    step() ... streams tokens 2, 3, ...
     abort(rid) frees held blocks                   abort(rid) / cancel_reservation(rid)
 
-``KVHandoff`` is a mixin of ``Engine`` (one object, one owner thread); it uses the engine's
-KV cache manager, runner, scheduler and request validation.
+``KVHandoff`` is a part the engine holds (``engine.handoff``), called on the engine's owner
+thread like the engine itself (``pack_kv`` and ``unpack_kv`` aside, as they say). It reaches
+the engine only through ``HandoffHost``: the KV cache manager, the runner, the scheduler and
+the engine's request validation and output making, so this module does not import the
+engine's.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from engine.kv_layout import KVLayout
 from engine.model_runner import SampledToken
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
-if TYPE_CHECKING:
-    from engine.engine import Engine
 
-    _Base = Engine
-else:
-    _Base = object
+
+class HandoffHost(Protocol):
+    """What the hand-off uses of the engine that holds it (``engine/engine.py``'s ``Engine``)."""
+
+    kv: Any  # engine.kv_cache_manager.KVCacheManager
+    runner: Any  # engine.model_runner.ModelRunner
+    scheduler: Any  # engine.scheduler.Scheduler
+    spec: Any  # the model's ModelSpec
+    config: Any  # EngineConfig
+    tokenizer: Any
+    stats: Any  # EngineStats
+    _detok: dict[str, IncrementalDetokenizer]
+    _early_outputs: list[Any]
+
+    def _validate_prompt(self, token_ids: list[int], field: str = "prompt") -> None: ...
+    def _validate_prompt_len(self, num_tokens: int, field: str) -> None: ...
+    def _validate_params(self, params: SamplingParams, field: str = "sampling_params") -> None: ...
+    def _validate_prior_draws(self, num_prior_draws: object, prompt_len: int) -> int: ...
+    def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams, hold_kv: bool = False,
+                     num_skipped_draws: int = 0) -> Request: ...
+    def _record_logprobs(self, request: Request, token: SampledToken) -> None: ...
+    def _make_output(self, request: Request, num_before: int) -> Any: ...
 
 
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class KVHandoff(_Base):
+class KVHandoff:
     """Hold, pack and release a prompt's pages (prefill side); reserve, unpack and admit
     them (decode side)."""
+
+    def __init__(self, host: HandoffHost) -> None:
+        self._host = host
 
     # -- KV transfer: prefill worker -------------------------------------------------------
     def held_block_ids(self, request_id: str) -> list[int]:
         """The blocks holding a finished ``hold_kv`` request's prompt K/V, in token order:
         ``ceil(num_prompt_tokens / block_size)`` ids (the sampled first token has no K/V
         here; the decode worker computes it). ValueError if nothing is held under the id."""
-        return self.kv.held_block_ids(request_id)
+        return self._host.kv.held_block_ids(request_id)
 
     def pack_kv(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """A contiguous copy of pages ``block_ids`` of every layer,
@@ -59,18 +81,13 @@ class KVHandoff(_Base):
         otherwise). Being a copy, it stays valid after ``release_kv`` (on CUDA: for work
         queued later on the same stream). Reads only the given blocks: another thread may
         call it for blocks held under ``hold_kv`` while the engine steps."""
-        return self.runner.pack_kv(self._check_block_ids(block_ids, distinct=False), out)
+        return self._host.runner.pack_kv(self._check_block_ids(block_ids, distinct=False), out)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks held under ``request_id`` (once). False if none are held."""
-        return self.kv.release(request_id)
+        return self._host.kv.release(request_id)
 
     # -- KV transfer: decode worker --------------------------------------------------------
-    @property
-    def kv_layout(self) -> KVLayout:
-        """The paged-KV shape both workers must agree on before exchanging pages."""
-        return self.runner.kv_layout
-
     def reserve_kv(self, request_id: str, num_prompt_tokens: int,
                    prompt_token_ids: Sequence[int] | None = None) -> list[int] | None:
         """Take ``ceil(num_prompt_tokens / block_size)`` blocks for a sequence whose prompt
@@ -89,22 +106,22 @@ class KVHandoff(_Base):
         running, held or reserved)."""
         if not is_int(num_prompt_tokens) or num_prompt_tokens < 1:
             raise ValueError(f"num_prompt_tokens must be an integer >= 1, got {num_prompt_tokens!r}")
-        self._validate_prompt_len(num_prompt_tokens, "num_prompt_tokens")
+        self._host._validate_prompt_len(num_prompt_tokens, "num_prompt_tokens")
         if prompt_token_ids is not None:
             token_ids = list(prompt_token_ids)
-            self._validate_prompt(token_ids, "prompt_token_ids")
+            self._host._validate_prompt(token_ids, "prompt_token_ids")
             if len(token_ids) != num_prompt_tokens:
                 raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens, num_prompt_tokens is {num_prompt_tokens}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
-        if self.scheduler.is_known(request_id):
+        if self._host.scheduler.is_known(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.kv.reserve(request_id, num_prompt_tokens, prompt_token_ids)
+        return self._host.kv.reserve(request_id, num_prompt_tokens, prompt_token_ids)
 
     def reserved_num_cached_blocks(self, request_id: str) -> int:
         """How many leading blocks of the reservation under ``request_id`` are prefix-cache
         hits (their pages need not travel). ValueError if nothing is reserved under the id."""
-        reservation = self.kv.reserved.get(request_id)
+        reservation = self._host.kv.reserved.get(request_id)
         if reservation is None:
             raise ValueError(f"request_id {request_id!r} has no reservation")
         return reservation.num_cached_blocks
@@ -121,7 +138,7 @@ class KVHandoff(_Base):
         reservation is neither cancelled nor admitted meanwhile (the decode worker holds the
         lock that freeing takes): the reservation's block list never changes, and only this
         call writes its fresh blocks."""
-        reservation = self.kv.reserved.get(request_id)
+        reservation = self._host.kv.reserved.get(request_id)
         if reservation is None:
             raise ValueError(f"request_id {request_id!r} has no reservation to unpack into")
         fresh = reservation.fresh_blocks
@@ -129,7 +146,7 @@ class KVHandoff(_Base):
         if not is_int(first_page) or first_page < 0 or num_pages < 0 or first_page + num_pages > len(fresh):
             raise ValueError(f"packed pages [{first_page}, {first_page} + {num_pages}) must lie within the "
                              f"reservation's {len(fresh)} fresh blocks")
-        self.runner.unpack_kv([block.block_id for block in fresh[first_page:first_page + num_pages]], packed)
+        self._host.runner.unpack_kv([block.block_id for block in fresh[first_page:first_page + num_pages]], packed)
 
     def admit_prefilled(
         self,
@@ -167,41 +184,41 @@ class KVHandoff(_Base):
         must have exactly the reserved length.
         """
         token_ids = self._reserved_prompt(request_id, prompt_token_ids)
-        self._validate_params(params, "params")
-        vocab = self.spec.vocab_size
+        self._host._validate_params(params, "params")
+        vocab = self._host.spec.vocab_size
         if not is_int(first_token_id) or not 0 <= first_token_id < vocab:
             raise ValueError(f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}")
-        self._validate_prior_draws(num_prior_draws, len(token_ids))
+        self._host._validate_prior_draws(num_prior_draws, len(token_ids))
         first = self._first_token(params, first_token_id, first_logprob, first_top_logprobs)
-        request = self._new_request(request_id, token_ids, params, num_skipped_draws=1 + num_prior_draws)
+        request = self._host._new_request(request_id, token_ids, params, num_skipped_draws=1 + num_prior_draws)
         request.append_output_token(first_token_id)
-        self._record_logprobs(request, first)
+        self._host._record_logprobs(request, first)
         request.num_computed_tokens = len(token_ids)
         self._count_received(request)
-        if self.tokenizer is not None and self.config.detokenize:
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+        if self._host.tokenizer is not None and self._host.config.detokenize:
+            detok = IncrementalDetokenizer(self._host.tokenizer, token_ids)
             detok.add([first_token_id])
-            self._detok[request_id] = detok
-        if not self.scheduler.add_prefilled(request):
-            self._early_outputs.append(self._make_output(request, num_before=1))
+            self._host._detok[request_id] = detok
+        if not self._host.scheduler.add_prefilled(request):
+            self._host._early_outputs.append(self._host._make_output(request, num_before=1))
 
     def _reserved_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> list[int]:
         """``prompt_token_ids`` as a list, checked against the reservation under ``request_id``."""
-        num_reserved = self.kv.reserved_num_tokens(request_id)
+        num_reserved = self._host.kv.reserved_num_tokens(request_id)
         if num_reserved is None:
             raise ValueError(f"request_id {request_id!r} has no reservation (reserve_kv first)")
         token_ids = list(prompt_token_ids)
-        self._validate_prompt(token_ids, "prompt_token_ids")
+        self._host._validate_prompt(token_ids, "prompt_token_ids")
         if len(token_ids) != num_reserved:
             raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens; the reservation is for {num_reserved}")
         return token_ids
 
     def _count_received(self, request: Request) -> None:
         """The reservation's hits count as cached prompt tokens, the rest as received."""
-        num_cached = self.kv.reserved[request.request_id].num_cached_blocks * self.kv.block_size
+        num_cached = self._host.kv.reserved[request.request_id].num_cached_blocks * self._host.kv.block_size
         request.num_cached_tokens = num_cached
-        self.stats.num_cached_prompt_tokens += num_cached
-        self.stats.num_received_prompt_tokens += request.num_prompt_tokens - num_cached
+        self._host.stats.num_cached_prompt_tokens += num_cached
+        self._host.stats.num_received_prompt_tokens += request.num_prompt_tokens - num_cached
 
     @staticmethod
     def _first_token(
@@ -219,10 +236,10 @@ class KVHandoff(_Base):
 
     def cancel_reservation(self, request_id: str) -> bool:
         """Free a reservation's blocks (once). False if there is no reservation under the id."""
-        return self.kv.cancel_reservation(request_id)
+        return self._host.kv.cancel_reservation(request_id)
 
     def _check_block_ids(self, block_ids: Sequence[int], distinct: bool) -> list[int]:
-        num_blocks = self.kv.num_blocks
+        num_blocks = self._host.kv.num_blocks
         try:
             ids = [operator.index(b) for b in block_ids]
         except TypeError:

@@ -59,7 +59,7 @@ class Request:
     num_computed_tokens: int = 0
     generator: Any = None  # torch.Generator for seeded requests, made by the runner
     # Prefill worker: on a normal finish keep the prompt's blocks (held) for KV transfer
-    # instead of freeing them; ``Engine.release_kv`` frees them.
+    # instead of freeing them; ``Engine.handoff.release_kv`` frees them.
     hold_kv: bool = False
     # Filled as the request runs (metrics and logprobs).
     output_logprobs: list[float] = field(default_factory=list)

@@ -145,7 +145,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         t_transfer = time.monotonic()
         wire_s = await self.channels.announce_and_send(
             target.address, target.incarnation, header,
-            lambda start, n, out: self.engine.pack_kv(ids[start:start + n], out),
+            lambda start, n, out: self.engine.handoff.pack_kv(ids[start:start + n], out),
             frame_tag(target.transfer_id, target.transfer_secret))
         seconds = time.monotonic() - t_transfer
         timings.transfer_wire_us = int(wire_s * 1e6)
@@ -159,7 +159,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
 
     def _hold_count(self, rid: str):  # noqa: ANN202 - returns an engine-thread closure
         def held(engine: Engine) -> list[int]:
-            block_ids = engine.held_block_ids(rid)
+            block_ids = engine.handoff.held_block_ids(rid)
             self._num_held[rid] = len(block_ids)
             self._num_held_blocks += len(block_ids)
             return block_ids
@@ -169,7 +169,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
     def _free(self, engine: Engine, rid: str) -> None:
         """Engine thread: release the held pages (or abort a still-running prefill), once."""
         self._num_held_blocks -= self._num_held.pop(rid, 0)
-        if not engine.release_kv(rid):
+        if not engine.handoff.release_kv(rid):
             engine.abort(rid)
 
 

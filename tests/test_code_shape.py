@@ -1,16 +1,20 @@
-"""A house a newcomer reads in an hour: no function over 60 lines (Triton kernels aside)
-and no module over 400 lines in the product's packages."""
+"""A house a newcomer reads in an hour: no import cycle between modules, no function over 60
+lines (Triton kernels aside). Imports that run up a layer are import-linter's job
+(tests/test_layers.py). A long module that reads straight is fine; a cycle is not: two
+modules that import each other cannot be read, tested or replaced one at a time."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import grimp
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every top-level package of the product (a folder with an __init__.py), tests aside, and the scripts.
 PACKAGES = sorted({p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"} | {"tools"})
 MAX_FUNCTION_LINES = 60
-MAX_MODULE_LINES = 400
 
 
 def _sources() -> list[Path]:
@@ -21,13 +25,63 @@ def _is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return any("jit" in ast.unparse(d) for d in node.decorator_list)
 
 
+def import_cycles(modules: Iterable[str], imports: Callable[[str], set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative): each is a
+    set of modules that all reach each other through imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(imports(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(imports(child)))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return cycles
+
+
 def test_the_product_packages_are_all_checked() -> None:
     assert {"engine", "gateway", "kernels", "plumbing", "splitserve", "tools"} <= set(PACKAGES), PACKAGES
 
 
-def test_no_module_over_400_lines() -> None:
-    long = {str(p.relative_to(ROOT)): n for p in _sources() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert not long, long
+def test_import_cycles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert import_cycles(graph, graph.__getitem__) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_between_modules() -> None:
+    # Imports under TYPE_CHECKING count: a reader follows them just the same.
+    packages = [p for p in PACKAGES if (ROOT / p / "__init__.py").exists()]
+    graph = grimp.build_graph(*packages, exclude_type_checking_imports=False)
+    cycles = import_cycles(graph.modules, graph.find_modules_directly_imported_by)
+    assert not cycles, cycles
 
 
 def test_no_function_over_60_lines() -> None:

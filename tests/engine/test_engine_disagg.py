@@ -45,12 +45,12 @@ class Transfer:
 
 def ship(a: Engine, out: CompletionOutput) -> Transfer:
     """Prefill worker, once its request finished: pack the held prompt pages, release them."""
-    ids = a.held_block_ids(out.request_id)
+    ids = a.handoff.held_block_ids(out.request_id)
     assert len(ids) == num_blocks_for(len(out.prompt_token_ids))
-    packed = a.pack_kv(ids)
+    packed = a.handoff.pack_kv(ids)
     assert packed.shape == a.kv_layout.packed_shape(len(ids)) and packed.is_contiguous()
-    assert a.release_kv(out.request_id)
-    assert not a.release_kv(out.request_id)
+    assert a.handoff.release_kv(out.request_id)
+    assert not a.handoff.release_kv(out.request_id)
     return Transfer(
         out.request_id,
         out.prompt_token_ids,
@@ -85,13 +85,13 @@ def try_admit(b: Engine, t: Transfer, params: SamplingParams, done: Completions 
               num_prior_draws: int = 0) -> list[int] | None:
     """``admit``, or None (and no change) when B cannot reserve the blocks now. ``done``
     then expects the request's outputs, starting with its first token."""
-    ids = b.reserve_kv(t.request_id, len(t.prompt_token_ids))
+    ids = b.handoff.reserve_kv(t.request_id, len(t.prompt_token_ids))
     if ids is None:
         return None
     assert len(ids) == t.packed.shape[2]
-    b.unpack_kv(t.request_id, t.packed)
-    assert torch.equal(b.pack_kv(ids), t.packed)  # the pages landed intact in other block ids
-    b.admit_prefilled(t.request_id, t.prompt_token_ids, t.first_token_id, params,
+    b.handoff.unpack_kv(t.request_id, t.packed)
+    assert torch.equal(b.handoff.pack_kv(ids), t.packed)  # the pages landed intact in other block ids
+    b.handoff.admit_prefilled(t.request_id, t.prompt_token_ids, t.first_token_id, params,
                       first_logprob=t.first_logprob, first_top_logprobs=t.first_top_logprobs,
                       num_prior_draws=num_prior_draws)
     if done is not None:
@@ -267,16 +267,16 @@ def test_held_blocks_keep_prefill_prefix_cache_correct(ckpt_dir: Callable[..., P
     rid = a.add_request(first, GREEDY.for_prefill(), "held", hold_kv=True)
     while a.has_unfinished_requests():
         a.step()
-    held = a.held_block_ids(rid)
+    held = a.handoff.held_block_ids(rid)
     assert len(held) == num_blocks_for(205) == 13 and a.num_free_blocks == 512 - 13
-    packed = a.pack_kv(held)
+    packed = a.handoff.pack_kv(held)
     # While held, the 12 full prefix blocks are shared with a new request (prefix hit).
     out = a.generate([second], GREEDY)[0]
     assert out.num_cached_tokens == 192
     assert out.token_ids == make_engine(path).generate([second], GREEDY)[0].token_ids
     a.check_integrity()
-    assert a.held_block_ids(rid) == held and torch.equal(a.pack_kv(held), packed)  # pages untouched
-    assert a.release_kv(rid)
+    assert a.handoff.held_block_ids(rid) == held and torch.equal(a.handoff.pack_kv(held), packed)  # pages untouched
+    assert a.handoff.release_kv(rid)
     # After release the prefix is still cached (freed blocks keep their hashes).
     out = a.generate([third], GREEDY)[0]
     assert out.num_cached_tokens == 192
@@ -365,26 +365,26 @@ def test_held_request_abort_release_and_id_reuse(ckpt_dir: Callable[..., Path]) 
     rid = a.add_request(list(range(3, 90)), GREEDY.for_prefill(), "running", hold_kv=True)
     assert a.abort(rid) and not a.abort(rid)
     with pytest.raises(ValueError, match="request_id"):
-        a.held_block_ids(rid)
-    assert not a.release_kv(rid)
+        a.handoff.held_block_ids(rid)
+    assert not a.handoff.release_kv(rid)
     assert_clean(a)
     # Finished and held: the id stays in use until abort (or release) frees the blocks.
     rid = a.add_request(list(range(3, 90)), GREEDY.for_prefill(), "held", hold_kv=True)
     while a.has_unfinished_requests():
         a.step()
-    assert len(a.held_block_ids(rid)) == 6 and a.num_free_blocks == 512 - 6
+    assert len(a.handoff.held_block_ids(rid)) == 6 and a.num_free_blocks == 512 - 6
     with pytest.raises(ValueError, match="request_id"):
         a.add_request([5, 6, 7], GREEDY, rid)
     a.check_integrity()
-    assert a.abort(rid) and not a.abort(rid) and not a.release_kv(rid)
+    assert a.abort(rid) and not a.abort(rid) and not a.handoff.release_kv(rid)
     assert_clean(a)
     # More than one token: only the prompt's blocks are held (the rest are freed at finish).
     rid = a.add_request(list(range(3, 43)), replace(GREEDY, max_tokens=30), "longer", hold_kv=True)
     while a.has_unfinished_requests():
         a.step()
-    assert len(a.held_block_ids(rid)) == num_blocks_for(40) and a.num_free_blocks == 512 - 3
+    assert len(a.handoff.held_block_ids(rid)) == num_blocks_for(40) and a.num_free_blocks == 512 - 3
     a.check_integrity()
-    assert a.release_kv(rid) and not a.release_kv(rid)
+    assert a.handoff.release_kv(rid) and not a.handoff.release_kv(rid)
     a.add_request([5, 6, 7], GREEDY, rid)  # the id is free again
     while a.has_unfinished_requests():
         a.step()
@@ -399,26 +399,26 @@ def test_reservation_lifecycle(ckpt_dir: Callable[..., Path]) -> None:
     done.feed(b.step())
     running_ids = set(b.kv.block_ids(running))
     assert len(running_ids) == 3
-    ids = b.reserve_kv("r", 150)  # 10 blocks
+    ids = b.handoff.reserve_kv("r", 150)  # 10 blocks
     assert ids is not None and len(ids) == 10 and not running_ids & set(ids)
     assert b.num_free_blocks == 3
     b.check_integrity()
-    assert b.reserve_kv("s", 60) is None  # 4 blocks: not now
+    assert b.handoff.reserve_kv("s", 60) is None  # 4 blocks: not now
     assert not b.kv.reserved.get("s") and b.num_free_blocks == 3
     with pytest.raises(ValueError, match="request_id"):
-        b.reserve_kv("r", 10)
-    assert b.cancel_reservation("r") and not b.cancel_reservation("r")
-    assert b.reserve_kv("s", 60) is not None  # after the free, it fits
+        b.handoff.reserve_kv("r", 10)
+    assert b.handoff.cancel_reservation("r") and not b.handoff.cancel_reservation("r")
+    assert b.handoff.reserve_kv("s", 60) is not None  # after the free, it fits
     with pytest.raises(ValueError, match="request_id"):
-        b.unpack_kv(running, torch.zeros(b.kv_layout.packed_shape(3)))  # not a reservation
+        b.handoff.unpack_kv(running, torch.zeros(b.kv_layout.packed_shape(3)))  # not a reservation
     assert b.abort("s") and not b.abort("s")  # abort cancels a reservation too
     params = replace(GREEDY, max_tokens=20)
     assert drain(b, done)[running].token_ids == make_engine(path).generate([list(range(3, 40))], params)[0].token_ids
     # Cached but unreferenced blocks are evicted for a reservation; referenced ones never.
     assert len(b.kv.pool.cached) == (37 + 19) // 16
-    assert b.reserve_kv("all", 255) is not None and b.num_free_blocks == 0  # 16 blocks
+    assert b.handoff.reserve_kv("all", 255) is not None and b.num_free_blocks == 0  # 16 blocks
     assert not b.kv.pool.cached
-    assert b.cancel_reservation("all")
+    assert b.handoff.cancel_reservation("all")
     assert_clean(b)
 
 
@@ -479,30 +479,30 @@ def test_bad_input_names_the_field(ckpt_dir: Callable[..., Path]) -> None:
     transfer = prefill(a, {"x": prompt}, GREEDY)["x"]
     for n in (0, -3, 256, 1000, 2.5):
         with pytest.raises(ValueError, match="num_prompt_tokens"):
-            b.reserve_kv("x", n)  # type: ignore[arg-type]
+            b.handoff.reserve_kv("x", n)  # type: ignore[arg-type]
     small = make_engine(path, num_kv_blocks=4)
     with pytest.raises(ValueError, match="num_prompt_tokens"):
-        small.reserve_kv("x", 64)  # 65 tokens need 5 blocks: never fits
+        small.handoff.reserve_kv("x", 64)  # 65 tokens need 5 blocks: never fits
     with pytest.raises(ValueError, match="request_id"):
-        b.admit_prefilled("x", prompt, 5, GREEDY)  # nothing reserved
-    ids = b.reserve_kv("x", len(prompt))
+        b.handoff.admit_prefilled("x", prompt, 5, GREEDY)  # nothing reserved
+    ids = b.handoff.reserve_kv("x", len(prompt))
     assert ids is not None
     with pytest.raises(ValueError, match="request_id"):
-        b.reserve_kv("x", 10)
+        b.handoff.reserve_kv("x", 10)
     b.add_request([4, 5, 6], GREEDY, "local")
     with pytest.raises(ValueError, match="request_id"):
-        b.reserve_kv("local", 10)
+        b.handoff.reserve_kv("local", 10)
     layout = b.kv_layout
     assert layout == KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
     for bad in (torch.zeros(layout.packed_shape(4)), torch.zeros(1, *layout.packed_shape(3)[1:]),
                 torch.zeros(layout.packed_shape(3), dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="packed"):
-            b.unpack_kv("x", bad)
+            b.handoff.unpack_kv("x", bad)
     with pytest.raises(ValueError, match="request_id"):
-        b.unpack_kv("local", transfer.packed)  # a running request's blocks are never written
+        b.handoff.unpack_kv("local", transfer.packed)  # a running request's blocks are never written
     with pytest.raises(ValueError, match="block_ids"):
-        a.pack_kv([0, 512])
-    b.unpack_kv("x", transfer.packed)
+        a.handoff.pack_kv([0, 512])
+    b.handoff.unpack_kv("x", transfer.packed)
     bad_admits = [
         (dict(first_token_id=512), "first_token_id"),
         (dict(first_token_id=-1), "first_token_id"),
@@ -517,12 +517,12 @@ def test_bad_input_names_the_field(ckpt_dir: Callable[..., Path]) -> None:
     for override, field in bad_admits:
         kwargs = {**good, **override}
         with pytest.raises(ValueError, match=field):
-            b.admit_prefilled("x", kwargs.pop("prompt_token_ids"), kwargs.pop("first_token_id"),
+            b.handoff.admit_prefilled("x", kwargs.pop("prompt_token_ids"), kwargs.pop("first_token_id"),
                               kwargs.pop("params"), **kwargs)
         assert b.kv.reserved_num_tokens("x") == len(prompt)  # the reservation is untouched
         b.check_integrity()
     with pytest.raises(ValueError, match="request_id"):
-        a.held_block_ids("x")  # released by prefill()
-    assert b.cancel_reservation("x")
+        a.handoff.held_block_ids("x")  # released by prefill()
+    assert b.handoff.cancel_reservation("x")
     assert b.abort("local")
     assert_clean(a, b, small)

@@ -20,14 +20,14 @@ def admit_missing(b: Engine, rid: str, transfer, chunk_pages: int) -> tuple[list
     """Reserve with the prompt's ids, unpack only the pages after the hits (in chunks of
     ``chunk_pages``), admit. Returns (reserved ids, hit blocks)."""
     prompt = transfer.prompt_token_ids
-    ids = b.reserve_kv(rid, len(prompt), prompt)
+    ids = b.handoff.reserve_kv(rid, len(prompt), prompt)
     assert ids is not None
-    num_hits = b.reserved_num_cached_blocks(rid)
+    num_hits = b.handoff.reserved_num_cached_blocks(rid)
     missing = transfer.packed[:, :, num_hits:]
     for start in range(0, missing.shape[2], chunk_pages):
-        b.unpack_kv(rid, missing[:, :, start:start + chunk_pages].contiguous(), first_page=start)
+        b.handoff.unpack_kv(rid, missing[:, :, start:start + chunk_pages].contiguous(), first_page=start)
     b.check_integrity()
-    b.admit_prefilled(rid, prompt, transfer.first_token_id, GREEDY)
+    b.handoff.admit_prefilled(rid, prompt, transfer.first_token_id, GREEDY)
     return ids, num_hits
 
 
@@ -59,18 +59,18 @@ def test_hits_are_never_written_and_freed_once(ckpt_dir: Callable[..., Path]) ->
     b = make_engine(path)
     prompt = PREFIX[:64] + [5, 6]
     b.generate([prompt], GREEDY)  # 4 full blocks published
-    ids = b.reserve_kv("r", len(prompt), prompt)
-    assert ids is not None and b.reserved_num_cached_blocks("r") == 4
+    ids = b.handoff.reserve_kv("r", len(prompt), prompt)
+    assert ids is not None and b.handoff.reserved_num_cached_blocks("r") == 4
     pages = b.kv_layout.packed_shape(1)
     with pytest.raises(ValueError, match="fresh blocks"):
-        b.unpack_kv("r", torch.zeros(b.kv_layout.packed_shape(2)))  # only 1 fresh block
+        b.handoff.unpack_kv("r", torch.zeros(b.kv_layout.packed_shape(2)))  # only 1 fresh block
     with pytest.raises(ValueError, match="fresh blocks"):
-        b.unpack_kv("r", torch.zeros(pages), first_page=1)
-    before = b.pack_kv(ids[:4])
-    b.unpack_kv("r", torch.ones(pages))
-    assert torch.equal(b.pack_kv(ids[:4]), before)  # the hits are untouched
+        b.handoff.unpack_kv("r", torch.zeros(pages), first_page=1)
+    before = b.handoff.pack_kv(ids[:4])
+    b.handoff.unpack_kv("r", torch.ones(pages))
+    assert torch.equal(b.handoff.pack_kv(ids[:4]), before)  # the hits are untouched
     b.check_integrity()
-    assert b.cancel_reservation("r") and not b.cancel_reservation("r")
+    assert b.handoff.cancel_reservation("r") and not b.handoff.cancel_reservation("r")
     b.check_integrity()
     assert b.num_free_blocks == b.kv.num_blocks  # the hits went back to the cache, unreferenced
     assert len(b.kv.pool.cached) == 4
@@ -82,10 +82,10 @@ def test_a_full_pool_counts_revived_hits(ckpt_dir: Callable[..., Path]) -> None:
     b = make_engine(path, num_kv_blocks=8, max_model_len=120)
     prompt = PREFIX[:64] + [5]  # 5 blocks, 4 cacheable
     b.generate([prompt], GREEDY)
-    assert b.reserve_kv("x", 64, PREFIX[:64]) is not None  # 3 hits (the last block is fresh) + 1
-    assert b.reserved_num_cached_blocks("x") == 3
-    assert b.reserve_kv("y", 80) is None  # 5 fresh blocks: only 4 are free
-    assert b.reserve_kv("z", 64) is not None  # 4 fresh blocks (evicts the 4th cached one)
+    assert b.handoff.reserve_kv("x", 64, PREFIX[:64]) is not None  # 3 hits (the last block is fresh) + 1
+    assert b.handoff.reserved_num_cached_blocks("x") == 3
+    assert b.handoff.reserve_kv("y", 80) is None  # 5 fresh blocks: only 4 are free
+    assert b.handoff.reserve_kv("z", 64) is not None  # 4 fresh blocks (evicts the 4th cached one)
     b.check_integrity()
-    assert b.cancel_reservation("x") and b.cancel_reservation("z")
+    assert b.handoff.cancel_reservation("x") and b.handoff.cancel_reservation("z")
     b.check_integrity()

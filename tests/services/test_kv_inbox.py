@@ -72,7 +72,7 @@ class Harness:
             first_token_id=7, decode_incarnation=INCARNATION, prefill_incarnation=PREFILL_INCARNATION)
 
     def pages(self, record: Reservation) -> torch.Tensor:
-        return self.engine.pack_kv(record.block_ids)
+        return self.engine.handoff.pack_kv(record.block_ids)
 
 
 async def until_phase(record: Reservation, *phases: Phase, timeout_s: float = 10.0) -> Phase:

@@ -8,25 +8,43 @@ on it (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for prepacke
 
 Where it does not pay, the plain ``F.linear`` runs: float32 inputs of fewer than
 ``MIN_PACKED_ROWS`` rows (batch-1 decode is a GEMV bound by reading the weight, which
-MKL's GEMV does faster), float16, CUDA tensors, builds without oneDNN. A float32 layer
-therefore keeps both copies of its weight (twice the weight memory); a bfloat16 layer keeps
-only the packed one.
+MKL's GEMV does faster), float16, CUDA tensors, builds without oneDNN, and bfloat16 on a CPU
+where oneDNN has no bfloat16 path (AVX2 only: :func:`onednn_has_bf16`). A float32 layer
+therefore keeps both copies of its weight (twice the weight memory); a packed bfloat16 layer
+keeps only the packed one.
 """
 
 from __future__ import annotations
 
+import functools
+
+import structlog
 import torch
 import torch.nn.functional as F
 
 MIN_PACKED_ROWS = 4  # float32: below this, F.linear (measured: 0.77x at 1-3 rows, 1.6x at 4)
+log = structlog.get_logger(__name__)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return onednn_has_bf16()
+    return weight.dtype == torch.float32
+
+
+@functools.cache
+def onednn_has_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+    (``ONEDNN_MAX_CPU_ISA=AVX2`` takes them away). Without, its reorder refuses bfloat16
+    weights, so they stay unpacked and ``F.linear`` (ATen's own bfloat16 GEMM) serves them:
+    slower, never a crash. Logged once."""
+    supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not supported:
+        log.warning("bfloat16 linears unpacked: oneDNN has no bfloat16 path on this CPU "
+                    "(it needs avx512bw/vl/dq or avx_ne_convert); ATen's GEMM serves them")
+    return supported
 
 
 class Linear:

@@ -3,8 +3,8 @@
 ``F.linear`` on CPU runs MKL's sgemm, which repacks the whole weight into its blocked
 layout on every call; at decode batch sizes that copy costs about as much as the
 arithmetic (a quarter of a batch-64 decode step on the bench model, measured). Here the
-weight is reordered into oneDNN's layout once, at load, and each call runs oneDNN's GEMM
-on it (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for prepacked linears).
+weight is reordered into oneDNN's layout once, at its first packed call, and each call runs
+oneDNN's GEMM on it (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for prepacked linears).
 
 Where it does not pay, the plain ``F.linear`` runs: float32 inputs of fewer than
 ``MIN_PACKED_ROWS`` rows (batch-1 decode is a GEMV bound by reading the weight, which
@@ -48,20 +48,29 @@ def onednn_has_bf16() -> bool:
 
 
 class Linear:
-    """``y = x @ weight.T + bias`` for ``x [rows, in_features]``; ``weight [out, in]``."""
+    """``y = x @ weight.T + bias`` for ``x [rows, in_features]``; ``weight [out, in]``.
+
+    The weight is reordered for oneDNN at the first call that runs the packed GEMM, not at load:
+    a worker is ready sooner (the reorders of every layer were the largest part of building the
+    default model's engine after the GGUF fixes) and a layer only batch-1 decode reaches never
+    pays it. Calls come from the one engine thread, so the lazy reorder needs no lock."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # set by the first packed call
         self.weight: torch.Tensor | None = weight
-        if prepack and can_prepack(weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            if weight.dtype == torch.bfloat16:
-                self.weight = None  # oneDNN serves every row count
+        self.packable = prepack and can_prepack(weight)
         self.min_packed_rows = MIN_PACKED_ROWS if weight.dtype == torch.float32 else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-        if self.weight is None or (self.packed is not None and x.shape[0] >= self.min_packed_rows):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packable and x.shape[0] >= self.min_packed_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _packed(self) -> torch.Tensor:
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+            if self.weight.dtype == torch.bfloat16:
+                self.weight = None  # oneDNN serves every row count
+        return self.packed

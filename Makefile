@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
 
-.PHONY: setup run test tools bench bench-throughput report gpu-check wheel-check vllm-venv clean
+.PHONY: setup run test test-avx2 tools bench bench-throughput report gpu-check wheel-check vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto) $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -31,17 +31,26 @@ setup: $(STAMP)
 # prefill worker, its KV pages shipped to the decode worker over Gloo), then stop the
 # cluster (SIGTERM: drain, exit).
 CHAT ?= Write a Python function that returns the n-th Fibonacci number.
+# generate waits for as long as up's services make progress (a busy machine loads slowly):
+# up's status file says starting / ready / failed, and up gives up on a service that exits or
+# stops using CPU (splitserve/progress.py).
 run: $(STAMP)
 	@$(VENV)/bin/splitserve fetch > /dev/null
-	@mkdir -p .cache/logs
+	@mkdir -p .cache/logs && rm -f .cache/up.status
 	@$(VENV)/bin/splitserve up --port $(PORT) --local-prefill-max-tokens 0 --log-dir .cache/logs \
-		2> .cache/logs/up.log & up=$$!; \
-	$(VENV)/bin/splitserve generate --gateway 127.0.0.1:$(PORT) --min-prefill-workers 1 \
-		--chat "$(CHAT)" --max-tokens 256; \
+		--status-file .cache/up.status 2> .cache/logs/up.log & up=$$!; \
+	$(VENV)/bin/splitserve generate --gateway 127.0.0.1:$(PORT) --wait-for-up .cache/up.status \
+		--min-prefill-workers 1 --chat "$(CHAT)" --max-tokens 256; \
 	rc=$$?; kill -TERM $$up; wait $$up; tail -n 1 .cache/logs/up.log; exit $$rc
 
 test: $(STAMP) tools
 	$(PY) -m pytest -q -n auto --dist loadgroup
+
+# The tests that depend on the CPU's instruction sets, with ATen, oneDNN and our kernels all
+# limited to AVX2, as on an AVX2-only CPU (tests/engine/test_avx2_mode.py runs part of it).
+AVX2_TESTS ?= tests/kernels tests/engine/test_linear.py tests/engine/test_engine_behaviour.py
+test-avx2: $(STAMP)
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q -n auto --dist loadgroup $(AVX2_TESTS)
 
 # promtool (Debian's prometheus package) for the metrics check of tests/e2e/test_openai_front.py,
 # buf (npm's @bufbuild/buf, into .cache/buf) for tests/services/test_buf_lint.py, dnsmasq (a

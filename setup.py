@@ -3,12 +3,16 @@
 Everything else lives in pyproject.toml. Generated code is never committed; it is
 written here at build time (wheel, sdist, editable install) and by ``make setup``.
 
-The native kernels are a torch C++ extension, so they are built against the torch of the
-build environment: install with ``pip install --no-build-isolation`` after torch (the
-Makefile does). One library is built per CPU capability from the same source
-(``kernels._native_avx512``, ``kernels._native_avx2`` on x86-64, ``kernels._native_default``
-elsewhere); ``kernels/native.py`` loads the best one the CPU runs. A build failure, or no
-torch at build time, is a warning, never a failed install: the torch references serve.
+The native kernels are a torch C++ extension, built against the torch of the build
+environment: in an isolated build (``pip install .``, ``pip wheel .``) the one pip installs
+from ``[build-system] requires`` (torch>=2.5,<2.14), with ``--no-build-isolation`` the one
+already installed (the Makefile's way). One library is built per CPU capability from the
+same source (``kernels._native_avx512``, ``kernels._native_avx2`` on x86-64,
+``kernels._native_default`` elsewhere), each beside a ``.torch`` file naming that torch
+version; ``kernels/native.py`` loads the best one the CPU runs and refuses a library built
+against another torch minor version. ``SPLITSERVE_NATIVE_VARIANTS=avx2`` (comma-separated)
+builds only those. A build failure, or no torch at build time, is a warning, never a failed
+install: the torch references serve, and tests/kernels fail where a compiler was there.
 """
 
 import importlib.util
@@ -58,6 +62,9 @@ def native_extensions() -> list:
         return []
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     names = ["avx512", "avx2"] if x86 else ["default"]
+    wanted = os.environ.get("SPLITSERVE_NATIVE_VARIANTS")
+    if wanted:
+        names = [name for name in names if name in wanted.split(",")]
     return [
         CppExtension(
             f"kernels._native_{name}",
@@ -94,10 +101,19 @@ class OptionalBuildExt(_build_ext_base()):
         self.build_temp = os.path.join(base, ext.name)
         try:
             super().build_extension(ext)
+            self._record_torch_version(ext)
         except Exception as exc:
             self.warn(f"{ext.name} not built ({exc}); kernels/native.py will try the others")
         finally:
             self.build_temp = base
+
+    def _record_torch_version(self, ext) -> None:
+        """``kernels/_native_<variant>.torch``: the torch this library was compiled against."""
+        import torch
+
+        library = Path(self.get_ext_fullpath(ext.name))
+        stem = ext.name.rsplit(".", 1)[-1]
+        (library.parent / f"{stem}.torch").write_text(torch.__version__ + "\n")
 
 
 setup(

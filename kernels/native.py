@@ -8,26 +8,39 @@
 (``rms_norm``, ``add_rms_norm_``, ``rotary_``, ``silu_mul``); their fake implementations
 are registered here so ``torch.compile`` can trace through them.
 
-Where no library was built (no compiler at install, an install with
-``SPLITSERVE_SKIP_NATIVE=1``) or none loads (torch upgraded under it), one warning is
-logged and :mod:`kernels.ops` runs the torch references instead.
+``SPLITSERVE_CPU_ISA`` (read at the first call) forces a choice: ``avx512`` or ``avx2`` loads
+that library or fails with the reason (one the CPU cannot run is refused: it would fault),
+``reference`` runs the torch references, ``auto`` (the default) picks. A forced choice is
+logged once. To run the whole process as on an AVX2-only CPU, limit ATen and oneDNN before
+torch starts: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (``auto`` then picks
+the AVX2 library too, as ATen reports AVX2; ``make test-avx2``).
+
+Each library sits beside a ``.torch`` file naming the torch it was compiled against (torch
+has no stable C++ ABI); one built against another minor version is not loaded, and the
+reason says what to reinstall. Where no library loads (no compiler at install, an install
+with ``SPLITSERVE_SKIP_NATIVE=1``, another torch), one warning is logged and
+:mod:`kernels.ops` runs the torch references instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
 
 logger = structlog.get_logger(__name__)
 
+ISA_ENV = "SPLITSERVE_CPU_ISA"
 # Libraries a CPU of each ATen capability can run, best first.
 _CANDIDATES = {
     "AVX512": ("avx512", "avx2", "default"),
     "AVX2": ("avx2", "default"),
 }
+ISA_CHOICES = ("auto", "avx512", "avx2", "reference")
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,7 @@ class NativeKernels:
 
     variant: str | None
     reason: str | None = None  # why none loaded
+    requested: str = "auto"  # SPLITSERVE_CPU_ISA
 
     @property
     def available(self) -> bool:
@@ -46,35 +60,94 @@ _loaded: NativeKernels | None = None
 
 
 def native_kernels() -> NativeKernels:
-    """Load the native kernels on first call (logging once if they are unavailable)."""
+    """Load the native kernels on first call (logging a forced choice, or why none loaded);
+    raise ``ValueError`` where
+    ``SPLITSERVE_CPU_ISA`` asks for a library that cannot serve (never a silent fallback)."""
     global _loaded
     if _loaded is None:
-        _loaded = _load()
-        if not _loaded.available:
-            logger.warning(
-                "native CPU kernels unavailable; the torch reference kernels serve (slower)",
-                reason=_loaded.reason,
-            )
+        loaded = _load(os.environ.get(ISA_ENV, "auto").strip().lower() or "auto")
+        if loaded.requested in ("avx512", "avx2") and not loaded.available:
+            raise ValueError(f"{ISA_ENV}={loaded.requested}: {loaded.reason}")
+        _loaded = loaded
+        fields = dict(variant=_loaded.variant, requested=_loaded.requested,
+                      aten_capability=torch.backends.cpu.get_cpu_capability(), torch=torch.__version__)
+        if _loaded.requested != "auto":  # a forced choice is logged; "auto" only where it failed
+            logger.info("native CPU kernels", **fields, reason=_loaded.reason)
+        elif not _loaded.available:
+            logger.warning("native CPU kernels unavailable; the torch reference kernels serve (slower)",
+                           **fields, reason=_loaded.reason)
     return _loaded
 
 
-def _load() -> NativeKernels:
+def choose_variants(requested: str, capability: str) -> tuple[str, ...]:
+    """The libraries to try, best first, for ``SPLITSERVE_CPU_ISA=requested`` on a CPU whose
+    ATen capability is ``capability``; empty for ``reference``. ``ValueError`` for an unknown
+    value or a library this CPU cannot run."""
+    candidates = _CANDIDATES.get(capability, ("default",))
+    if requested not in ISA_CHOICES:
+        raise ValueError(f"{ISA_ENV}={requested!r}: expected one of {', '.join(ISA_CHOICES)}")
+    if requested == "auto":
+        return candidates
+    if requested == "reference":
+        return ()
+    if requested not in candidates:
+        raise ValueError(f"{ISA_ENV}={requested}: this CPU runs {capability} (ATen's capability, "
+                         f"ATEN_CPU_CAPABILITY can lower it); the {requested} kernels would fault on it")
+    return (requested,)
+
+
+def build_mismatch(built: str | None, running: str) -> str | None:
+    """Why a library compiled against torch ``built`` must not load into torch ``running``
+    (another minor version); None where it may (``built`` None: no record, loading decides)."""
+    if built is None or _minor(built) == _minor(running):
+        return None
+    release = built.split("+")[0]
+    return (f"built against torch {built}, this process runs torch {running} (torch's C++ ABI "
+            f"changes between versions): reinstall splitserve against this torch "
+            f"(pip install --no-build-isolation ., as make setup does) or install torch=={release}")
+
+
+def _minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def _load(requested: str) -> NativeKernels:
     capability = torch.backends.cpu.get_cpu_capability()
+    variants = choose_variants(requested, capability)
+    if not variants:
+        return NativeKernels(None, f"{ISA_ENV}=reference", requested)
     failures = []
-    for variant in _CANDIDATES.get(capability, ("default",)):
-        path = _library_path(variant)
-        if path is None:
-            failures.append(f"{variant}: not built")
-            continue
-        if not hasattr(torch.ops.splitserve, "paged_attention"):  # else loaded already
-            try:
-                torch.ops.load_library(path)
-            except (OSError, RuntimeError) as exc:
-                failures.append(f"{variant}: {exc}")
-                continue
-            _register_fakes()
-        return NativeKernels(variant)
-    return NativeKernels(None, f"CPU capability {capability}; " + "; ".join(failures))
+    for variant in variants:
+        problem = _try_load(variant)
+        if problem is None:
+            return NativeKernels(variant, None, requested)
+        failures.append(f"{variant}: {problem}")
+    return NativeKernels(None, f"CPU capability {capability}; " + "; ".join(failures), requested)
+
+
+def _try_load(variant: str) -> str | None:
+    """Load ``variant``'s library; None once its operators are registered, else why not."""
+    path = _library_path(variant)
+    if path is None:
+        return "not built"
+    built = built_against(path)
+    mismatch = build_mismatch(built, torch.__version__)
+    if mismatch is not None:
+        return mismatch
+    if hasattr(torch.ops.splitserve, "paged_attention"):  # loaded already
+        return None
+    try:
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError) as exc:
+        return f"{exc} (built against torch {built or 'unrecorded'}, running {torch.__version__})"
+    _register_fakes()
+    return None
+
+
+def built_against(library: str) -> str | None:
+    """The torch version setup.py recorded beside ``library``; None where it recorded none."""
+    record = Path(library).parent / (Path(library).name.split(".", 1)[0] + ".torch")
+    return record.read_text().strip() if record.is_file() else None
 
 
 def _library_path(variant: str) -> str | None:

@@ -266,6 +266,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     add_client_security_flags(gen)
     gen.add_argument("--wait-s", type=float, default=60.0,
                      help="wait this long for the gateway and a decode worker to be up")
+    gen.add_argument("--wait-for-up", default=None, metavar="STATUS_FILE",
+                     help="first wait, for no fixed time, while `splitserve up --status-file STATUS_FILE` "
+                          "starts and is alive")
     gen.add_argument("--timeout-s", type=float, default=120.0, help="request deadline")
     gen.add_argument("--min-prefill-workers", type=int, default=0,
                      help="also wait until this many prefill workers have registered")
@@ -316,6 +319,7 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     cfg.add_flag(up, "--tls", action="store_true",
                  help="make a throwaway CA and certificate (in --log-dir, else a temporary folder): "
                       "TLS on every port, mTLS between the services")
+    cfg.add_flag(up, "--status-file", default=None, help="write up's state here, JSON (for generate --wait-for-up)")
     up.add_argument("service_args", nargs=argparse.REMAINDER,
                     help="after --: extra flags for every worker (e.g. -- --speculative ngram)")
     up.set_defaults(func=_up)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from plumbing.auth import bearer_metadata
 from plumbing.resume import LOAD_BALANCING, BrokenStream, ResumableStream, ResumePolicy, gateway_target
 from plumbing.rpc import channel_options
 from plumbing.tls import TlsConfig, load_material
+from splitserve.progress import process_alive, read_status
 from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
@@ -144,15 +145,21 @@ def make_chat_request(turns: Chat, max_new_tokens: int, **kwargs: Any) -> gatewa
     return make_request(chat_messages(turns), max_new_tokens, **kwargs)
 
 
-def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s: float,
-                     auth: ClientAuth | None = None) -> gateway_pb2.GetInfoResponse:
-    """Poll ``GetInfo`` until the gateway lists enough serving workers of each role."""
+def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s: float | None,
+                     auth: ClientAuth | None = None,
+                     watch: Callable[[], None] | None = None) -> gateway_pb2.GetInfoResponse:
+    """Poll ``GetInfo`` until the gateway lists enough serving workers of each role: for
+    ``timeout_s``, or (None) for as long as ``watch()`` does not raise (the processes progress)."""
+    if timeout_s is None and watch is None:
+        raise ValueError("wait_for_workers needs a timeout_s or a watch")
     auth = auth or ClientAuth()
-    deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last: Exception | None = None
     with auth.channel(gateway_target(address)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        while time.monotonic() < deadline:
+        while deadline is None or time.monotonic() < deadline:
+            if watch is not None:
+                watch()
             try:
                 info = stub.GetInfo(gateway_pb2.GetInfoRequest(), timeout=2.0, metadata=auth.metadata())
                 roles = [w.role for w in info.workers if w.state == common_pb2.WORKER_STATE_SERVING]
@@ -166,6 +173,25 @@ def wait_for_workers(address: str, num_prefill: int, num_decode: int, timeout_s:
                        f"workers within {timeout_s} s ({last})")
 
 
+def wait_for_up(status_file: str, appear_s: float) -> str:
+    """Wait for ``splitserve up`` (its ``--status-file``) while it is starting and alive, for no
+    fixed time (``up`` itself gives up on services that stop progressing); the gateway address
+    once it is ready. ``appear_s`` bounds only the wait for the file to appear."""
+    appear_by = time.monotonic() + appear_s
+    while True:
+        status = read_status(status_file)
+        if status is None:
+            if time.monotonic() > appear_by:
+                raise TimeoutError(f"{status_file}: no status from splitserve up within {appear_s} s")
+        elif status["state"] == "ready":
+            return str(status["gateway"])
+        elif status["state"] != "starting" or not process_alive(int(status["pid"])):
+            state = status["state"] if status["state"] != "starting" else "exited"
+            raise RuntimeError(f"splitserve up (pid {status['pid']}) {state} before it was ready: "
+                               f"{status.get('error', 'see its log')}")
+        time.sleep(0.2)
+
+
 def cli_chat_turns(args: argparse.Namespace) -> list[tuple[str, str]] | None:
     """``generate --chat MESSAGE [--system TEXT]`` as turns; None for a plain prompt."""
     if args.chat is None:
@@ -177,8 +203,10 @@ def stream_to_terminal(args: argparse.Namespace) -> int:
     """``splitserve generate``: stream text to stdout; the finish reason and timings to stderr."""
     try:
         auth = ClientAuth.from_args(args)
+        if args.wait_for_up:
+            wait_for_up(args.wait_for_up, args.wait_s)
         wait_for_workers(args.gateway, args.min_prefill_workers, 1, args.wait_s, auth)
-    except (TimeoutError, ValueError) as exc:
+    except (TimeoutError, ValueError, RuntimeError) as exc:
         sys.stderr.write(f"splitserve generate: {exc}\n")
         return 1
     turns = cli_chat_turns(args)

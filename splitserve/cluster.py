@@ -30,6 +30,7 @@ from plumbing.logs import configure_logging
 from plumbing.tls import TlsConfig
 from splitserve.certs import Bundle, write_bundle
 from splitserve.client import ClientAuth
+from splitserve.progress import ProgressWatch, write_status
 
 log = structlog.get_logger()
 
@@ -38,14 +39,15 @@ def service_command(role: str, flags: list[str]) -> list[str]:
     return [sys.executable, "-m", "splitserve.cli", role, *flags]
 
 
-def wait_ready(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
-    """Wait until a service wrote its address to ``path``; raise if it exits first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def wait_ready(path: Path, proc: subprocess.Popen[bytes], timeout_s: float | None = None) -> str:
+    """Wait until a service wrote its address to ``path``, for as long as it makes progress
+    (splitserve/progress.py) and, where ``timeout_s`` is given, no longer; raise if it exits first."""
+    watch = ProgressWatch({proc.args[3]: proc})
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while deadline is None or time.monotonic() < deadline:
         if path.exists() and path.read_text():
             return path.read_text().strip()
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[3]} exited with code {proc.returncode} before it was ready")
+        watch.check()
         time.sleep(0.05)
     raise TimeoutError(f"{proc.args[3]} not ready after {timeout_s} s")
 
@@ -119,7 +121,7 @@ class Cluster:
             flags += ["--api-keys-file", str(keys)]
         return [*flags, *self._security_flags(), *self.gateway_flags]
 
-    def _ready(self, name: str, proc: subprocess.Popen[bytes], ready: Path, timeout_s: float) -> str:
+    def _ready(self, name: str, proc: subprocess.Popen[bytes], ready: Path, timeout_s: float | None) -> str:
         """Wait for ``name``'s ready file; record its address (the gateway's internal one too)."""
         lines = wait_ready(ready, proc, timeout_s).splitlines()
         self.addresses[name] = lines[0]
@@ -152,8 +154,10 @@ class Cluster:
             return []
         return ["--metrics-port", str(self.metrics_port + offset if offset >= 0 else 0)]
 
-    def start(self, timeout_s: float = 120.0) -> str:
-        """Start everything; return the gateway address once every worker registered."""
+    def start(self, timeout_s: float | None = None) -> str:
+        """Start everything; return the gateway address once every worker registered with every
+        gateway. Waits while the services make progress (not a fixed time: a busy machine loads
+        slowly), and no longer than ``timeout_s`` where given."""
         gateways = [(n, *self._spawn(n, "gateway", self._gateway_flags(i))) for i, n in enumerate(self.gateway_names)]
         for name, proc, ready in gateways:
             self._ready(name, proc, ready, timeout_s)
@@ -175,7 +179,7 @@ class Cluster:
             self._start_http(timeout_s)
         return self.addresses["gateway"]
 
-    def _start_http(self, timeout_s: float) -> None:
+    def _start_http(self, timeout_s: float | None) -> None:
         """The OpenAI-compatible front (``splitserve http``), a client of every gateway replica."""
         flags = ["--gateway", ",".join(self.gateway_addresses), "--http-port", str(self.http_port)]
         if self.tls:
@@ -183,11 +187,12 @@ class Cluster:
         proc, ready = self._spawn("http", "http", [*flags, *self.http_flags])
         self._ready("http", proc, ready, timeout_s)
 
-    def _wait_registered(self, timeout_s: float) -> None:
+    def _wait_registered(self, timeout_s: float | None) -> None:
         from splitserve.client import wait_for_workers
 
+        watch = ProgressWatch(dict(self.procs))
         for address in self.gateway_addresses:  # every replica: each worker registered with each
-            wait_for_workers(address, self.num_prefill, self.num_decode, timeout_s, self.client)
+            wait_for_workers(address, self.num_prefill, self.num_decode, timeout_s, self.client, watch=watch.check)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to one service and wait for it to exit; its exit code."""
@@ -195,7 +200,7 @@ class Cluster:
         proc.send_signal(sig)
         return proc.wait()
 
-    def restart(self, name: str, timeout_s: float = 120.0) -> str:
+    def restart(self, name: str, timeout_s: float | None = None) -> str:
         """Start an exited service again on the address it had (a new process: a new
         incarnation at the same host:port); return that address once it is ready."""
         if self.procs[name].poll() is None:
@@ -277,12 +282,15 @@ def run_cluster(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, reload)
+    write_status(args.status_file, "starting")
     try:
         address = cluster.start()
     except (RuntimeError, TimeoutError) as exc:
         log.error("up.failed", error=str(exc))
+        write_status(args.status_file, "failed", error=str(exc))
         cluster.stop(grace_s=5)
         return 1
+    write_status(args.status_file, "ready", gateway=address)
     tls_flag = f" --tls-ca {bundle.ca}" if bundle else ""
     log.info("up.ready", gateway=address, gateways=cluster.gateway_addresses,
              gateways_internal=[cluster.addresses[f"{n}-internal"] for n in cluster.gateway_names],
@@ -298,5 +306,6 @@ def run_cluster(args: argparse.Namespace) -> int:
     codes = cluster.stop()
     if tls_dir is not None:
         tls_dir.cleanup()
+    write_status(args.status_file, "stopped")
     log.info("up.stopped", exit_codes=codes)
     return 0 if all(c == 0 for c in codes.values()) and stopping else 1

@@ -8,7 +8,8 @@ tokenizer: ``engine.models.gguf_tokenizer``.
 
 A file is opened once per (path, size, mtime): parsing the header of a real checkpoint
 (its vocabulary and merges are ~100k array items) takes a second or two, and the spec,
-the tokenizer and the weights are read from the same file in turn.
+the tokenizer and the weights are read from the same file in turn. The reader parses a plain
+ndarray view of its memory map (:func:`_reader_class`), a third of the time gguf's own takes.
 """
 
 from __future__ import annotations
@@ -66,12 +67,32 @@ class GGUFFile:
 _READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError, EOFError, struct.error)
 
 
-@functools.lru_cache(maxsize=4)
-def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
+@functools.cache
+def _reader_class() -> type:
+    """gguf's ``GGUFReader`` over a plain ndarray view of the file's memory map: the same bytes
+    (still mapped, not read), the same fields and tensors, parsed in a third of the time
+    (measured 7.5 s against 23 s on the default model at load 12). Each field is a slice of
+    ``reader.data``; a slice of an ``np.memmap`` runs memmap's ``__array_finalize__`` in
+    Python, ~100k times for a 49k-token vocabulary, a slice of an ndarray does not."""
+    import numpy as np
     from gguf import GGUFReader
 
+    class PlainMapReader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain = mapped.view(np.ndarray)  # the memmap stays alive as its base
+
+    return PlainMapReader
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
     try:
-        reader = GGUFReader(path, "r")
+        reader = _reader_class()(path, "r")
         metadata = {name: field.contents() for name, field in reader.fields.items()}
         end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
     except _READ_ERRORS as exc:

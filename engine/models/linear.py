@@ -3,47 +3,74 @@
 ``F.linear`` on CPU runs MKL's sgemm, which repacks the whole weight into its blocked
 layout on every call; at decode batch sizes that copy costs about as much as the
 arithmetic (a quarter of a batch-64 decode step on the bench model, measured). Here the
-weight is reordered into oneDNN's layout once, at load, and each call runs oneDNN's GEMM
-on it (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for prepacked linears).
+weight is reordered into oneDNN's layout once, at its first packed call, and each call runs
+oneDNN's GEMM on it (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for prepacked linears).
 
 Where it does not pay, the plain ``F.linear`` runs: float32 inputs of fewer than
 ``MIN_PACKED_ROWS`` rows (batch-1 decode is a GEMV bound by reading the weight, which
-MKL's GEMV does faster), float16, CUDA tensors, builds without oneDNN. A float32 layer
-therefore keeps both copies of its weight (twice the weight memory); a bfloat16 layer keeps
-only the packed one.
+MKL's GEMV does faster), float16, CUDA tensors, builds without oneDNN, and bfloat16 on a CPU
+where oneDNN has no bfloat16 path (AVX2 only: :func:`onednn_has_bf16`). A float32 layer
+therefore keeps both copies of its weight (twice the weight memory); a packed bfloat16 layer
+keeps only the packed one.
 """
 
 from __future__ import annotations
 
+import functools
+
+import structlog
 import torch
 import torch.nn.functional as F
 
 MIN_PACKED_ROWS = 4  # float32: below this, F.linear (measured: 0.77x at 1-3 rows, 1.6x at 4)
+log = structlog.get_logger(__name__)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return onednn_has_bf16()
+    return weight.dtype == torch.float32
+
+
+@functools.cache
+def onednn_has_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+    (``ONEDNN_MAX_CPU_ISA=AVX2`` takes them away). Without, its reorder refuses bfloat16
+    weights, so they stay unpacked and ``F.linear`` (ATen's own bfloat16 GEMM) serves them:
+    slower, never a crash. Logged once."""
+    supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not supported:
+        log.warning("bfloat16 linears unpacked: oneDNN has no bfloat16 path on this CPU "
+                    "(it needs avx512bw/vl/dq or avx_ne_convert); ATen's GEMM serves them")
+    return supported
 
 
 class Linear:
-    """``y = x @ weight.T + bias`` for ``x [rows, in_features]``; ``weight [out, in]``."""
+    """``y = x @ weight.T + bias`` for ``x [rows, in_features]``; ``weight [out, in]``.
+
+    The weight is reordered for oneDNN at the first call that runs the packed GEMM, not at load:
+    a worker is ready sooner (the reorders of every layer were the largest part of building the
+    default model's engine after the GGUF fixes) and a layer only batch-1 decode reaches never
+    pays it. Calls come from the one engine thread, so the lazy reorder needs no lock."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # set by the first packed call
         self.weight: torch.Tensor | None = weight
-        if prepack and can_prepack(weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            if weight.dtype == torch.bfloat16:
-                self.weight = None  # oneDNN serves every row count
+        self.packable = prepack and can_prepack(weight)
         self.min_packed_rows = MIN_PACKED_ROWS if weight.dtype == torch.float32 else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-        if self.weight is None or (self.packed is not None and x.shape[0] >= self.min_packed_rows):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packable and x.shape[0] >= self.min_packed_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _packed(self) -> torch.Tensor:
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+            if self.weight.dtype == torch.bfloat16:
+                self.weight = None  # oneDNN serves every row count
+        return self.packed

@@ -31,11 +31,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def dockerfile_sources() -> list[str]:
-    """The paths the Dockerfile's ``COPY`` lines take from the build context."""
+    """The paths the Dockerfile's ``COPY`` lines take from the build context (not those
+    copying from the build stage)."""
     sources = []
     for line in (ROOT / "Dockerfile").read_text().splitlines():
         words = line.split()
-        if words and words[0] == "COPY":
+        if words and words[0] == "COPY" and not any(w.startswith("--from") for w in words):
             sources += [w for w in words[1:-1] if not w.startswith("--")]
     return sources
 

@@ -21,30 +21,39 @@ def test_float32_matches_f_linear(rows, with_bias, monkeypatch) -> None:
     bias = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 80, generator=gen)
     layer = Linear(weight, bias)
-    assert layer.packed is not None and layer.weight is weight  # float32 keeps both
+    assert layer.packable and layer.packed is None  # reordered at the first packed call
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(linear.torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a: calls.append(1) or real(*a), raising=False)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
     assert bool(calls) == (rows >= linear.MIN_PACKED_ROWS)  # GEMVs stay on F.linear
+    assert (layer.packed is not None) == bool(calls) and layer.weight is weight  # float32 keeps both
 
 
 @needs_onednn
-def test_bfloat16_keeps_only_the_packed_weight() -> None:
+def test_bfloat16_packed_only_where_onednn_runs_it() -> None:
+    # Packed, and only packed, where oneDNN has a bfloat16 path (AVX-512); on an AVX2-only CPU
+    # (or ONEDNN_MAX_CPU_ISA=AVX2: tests/engine/test_avx2_mode.py) unpacked, F.linear serving.
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 32, generator=gen).bfloat16()
     layer = Linear(weight)
-    assert layer.weight is None
+    assert layer.packable == linear.onednn_has_bf16()
     for rows in (1, 16):
         x = torch.randn(rows, 32, generator=gen).bfloat16()
         torch.testing.assert_close(layer(x).float(), F.linear(x, weight).float(), atol=0.05, rtol=0.02)
+        if layer.packable:  # from the first call on
+            assert layer.packed is not None and layer.weight is None
+        else:
+            assert layer.packed is None and layer.weight is weight
 
 
 def test_unpacked_where_it_does_not_pay() -> None:
     weight = torch.randn(8, 4, dtype=torch.float16)
     layer = Linear(weight)
-    assert layer.packed is None
     x = torch.randn(5, 4, dtype=torch.float16)
     assert torch.equal(layer(x), F.linear(x, weight))
-    assert Linear(torch.randn(8, 4), prepack=False).packed is None
+    assert not layer.packable and layer.packed is None
+    unpacked = Linear(torch.randn(8, 4), prepack=False)
+    unpacked(torch.randn(5, 4))
+    assert not unpacked.packable and unpacked.packed is None

@@ -177,11 +177,16 @@ class KVHandoff(_Base):
         request.append_output_token(first_token_id)
         self._record_logprobs(request, first)
         request.num_computed_tokens = len(token_ids)
-        self._count_received(request)
         if self.tokenizer is not None and self.config.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids)
             detok.add([first_token_id])
             self._detok[request_id] = detok
+        # A constrained request joins once its grammar is compiled (engine/structured_output.py).
+        if not self._defer_until_compiled(request, num_prior_draws, self._add_prefilled):
+            self._add_prefilled(request)
+
+    def _add_prefilled(self, request: Request) -> None:
+        self._count_received(request)
         if not self.scheduler.add_prefilled(request):
             self._early_outputs.append(self._make_output(request, num_before=1))
 

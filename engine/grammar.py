@@ -68,6 +68,7 @@ class GrammarCompiler:
         """A fresh matcher for ``constraint`` (from the cache when compiled before)."""
         key = constraint.key
         with self._lock:
+            self.stats.num_constrained_requests += 1
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
@@ -97,7 +98,6 @@ class GrammarCompiler:
     def submit(self, constraint: Constraint) -> Future[GrammarState]:
         """Compile on the compiler's thread; the future fails with ``ConstraintError``."""
         with self._lock:
-            self.stats.num_constrained_requests += 1
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         return self._executor.submit(self.compile, constraint)

@@ -12,9 +12,10 @@ from typing import Any
 from google.protobuf import unknown_fields
 
 from engine.chat import ChatTemplate
+from engine.grammar import GrammarCompiler
 from engine.sampling_params import SamplingParams
 from gateway.prompt import MAX_BYTES_PER_TOKEN, check_prompt_size, prompt_token_ids
-from plumbing.convert import sampling_params_from_proto, sampling_params_to_proto
+from plumbing.convert import constraint_to_proto, sampling_params_from_proto, sampling_params_to_proto
 from splitserve.v1 import common_pb2, gateway_pb2
 
 
@@ -28,6 +29,7 @@ class ValidatedRequest:
     stop_strings: tuple[str, ...]
     sampling: common_pb2.SamplingParams
     stopping: common_pb2.StoppingCriteria
+    constraint: common_pb2.Constraint | None = None  # structured output, caps checked
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,23 @@ def finish(request: gateway_pb2.GenerateRequest, prompt: list[int], limits: Limi
             f"stopping.max_new_tokens={request.stopping.max_new_tokens} exceeds what max_model_len="
             f"{limits.max_model_len} leaves after a {len(prompt)}-token prompt ({budget})"
         )
-    params = sampling_params_from_proto(request.sampling, request.stopping)
+    params = sampling_params_from_proto(request.sampling, request.stopping, request.constraint)
     if request.WhichOneof("prompt") == "chat" and chat is not None and not params.ignore_eos:
         end_ids = tuple(t for t in chat.end_of_turn_ids if t not in params.stop_token_ids)
         params = replace(params, stop_token_ids=params.stop_token_ids + end_ids)
-    return ValidatedRequest(prompt, params, tuple(request.stopping.stop_strings), *sampling_params_to_proto(params))
+    return ValidatedRequest(prompt, params, tuple(request.stopping.stop_strings), *sampling_params_to_proto(params),
+                            constraint_to_proto(params.constraint))
+
+
+def check_constraint_compiles(params: SamplingParams, grammars: GrammarCompiler | None) -> None:
+    """Compile the request's constraint (ms; cached by the schema's hash) so that one that
+    does not compile is INVALID_ARGUMENT here, with the library's reason, not a worker
+    failure. Runs off the event loop."""
+    if params.constraint is None:
+        return
+    if grammars is None:
+        raise ValueError("constraint: this model has no tokenizer to compile grammars with")
+    grammars.compile(params.constraint)
 
 
 def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limits,

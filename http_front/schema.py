@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from http_front import structured
 from http_front.errors import bad_field
 from splitserve.v1 import common_pb2, gateway_pb2
 
@@ -19,7 +20,7 @@ MAX_N = 8  # choices per request (each is its own gateway request)
 MAX_LOGPROBS = 20  # the gateway's cap on top alternatives
 _ROLES = {"system": gateway_pb2.CHAT_ROLE_SYSTEM, "user": gateway_pb2.CHAT_ROLE_USER,
           "assistant": gateway_pb2.CHAT_ROLE_ASSISTANT, "developer": gateway_pb2.CHAT_ROLE_SYSTEM}
-_UNSERVED = ("echo", "best_of", "suffix", "tools", "functions", "response_format", "logit_bias")
+_UNSERVED = ("echo", "best_of", "suffix", "functions", "logit_bias")  # tools, response_format: structured.py
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: none asked; else the number of top alternatives
+    tools: structured.ToolPlan | None = None  # chat with tools: how replies become tool calls
 
 
 def _int(body: dict[str, Any], name: str, low: int, high: int | None = None) -> int | None:
@@ -153,7 +155,8 @@ def parse(body: object, chat: bool, default_max_tokens: int) -> Parsed:
     for name in _UNSERVED:
         if body.get(name) not in (None, False, [], {}):
             raise bad_field(name, "is not supported by this server")
-    request = gateway_pb2.GenerateRequest(sampling=_sampling(body))
+    body, extra = structured.parse(body, chat)
+    request = gateway_pb2.GenerateRequest(sampling=_sampling(body), constraint=extra.constraint)
     (_messages if chat else _prompt)(body, request)
     limit = (_int(body, "max_completion_tokens", 1) if chat else None) or _int(body, "max_tokens", 1)
     request.stopping.max_new_tokens = limit or default_max_tokens
@@ -169,7 +172,7 @@ def parse(body: object, chat: bool, default_max_tokens: int) -> Parsed:
         raise bad_field("stream_options", "must be an object")
     return Parsed(chat=chat, model=model, requests=tuple(_choice(request, i) for i in range(n)),
                   stream=_bool(body, "stream"), include_usage=bool((options or {}).get("include_usage")),
-                  logprobs=logprobs)
+                  logprobs=logprobs, tools=extra.tools)
 
 
 def _choice(request: gateway_pb2.GenerateRequest, index: int) -> gateway_pb2.GenerateRequest:

@@ -14,28 +14,33 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.grammar import GrammarState, GrammarStats
-
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
 
 def _words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 -> [rows, vocab_size] bool, True where the token is allowed."""
-    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1  # [rows, words, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 on the CPU -> [rows, vocab_size] bool, True where the token is NOT
+    allowed. numpy's ``unpackbits`` does it in one C loop (measured on a loaded 2-CPU machine:
+    ~8 µs per 49152-token row against ~25 µs and more for torch shifts)."""
+    inverted = np.invert(bitmask.numpy()).view(np.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
+    bits = np.unpackbits(inverted, axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 def _apply(logits: torch.Tensor, row_ids: list[int], bitmask: torch.Tensor) -> None:
     """Set the forbidden logits of ``row_ids`` (rows of ``bitmask`` in that order) to -inf."""
-    allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
+    forbidden = forbidden_tokens(bitmask, logits.shape[1]).to(logits.device)
+    first = row_ids[0]
+    if row_ids == list(range(first, first + len(row_ids))):  # a block of rows: in place
+        logits[first:first + len(row_ids)].masked_fill_(forbidden, float("-inf"))
+        return
     index = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
 
 def mask_logits(

@@ -152,3 +152,16 @@ def test_invalid_constraint_fails_with_the_library_reason(engine: Engine, kind: 
 def test_caps_are_checked_before_compiling(kwargs: dict, message: str) -> None:
     with pytest.raises(ConstraintError, match=message):
         Constraint(**kwargs)
+
+
+def test_forbidden_tokens_follow_llguidance_bit_order() -> None:
+    from engine.grammar_masks import forbidden_tokens
+
+    allowed = [0, 5, 31, 32, 63, 64, 100]
+    bitmask = torch.zeros(1, 4, dtype=torch.int32)
+    for t in allowed:
+        word = int(bitmask[0, t // 32]) & 0xFFFFFFFF | (1 << (t % 32))
+        bitmask[0, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    forbidden = forbidden_tokens(bitmask, 101)
+    assert forbidden.shape == (1, 101)
+    assert [t for t in range(101) if not forbidden[0, t]] == allowed

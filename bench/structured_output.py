@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.report import write_json
+
 ENUMS = [["red", "green", "blue"], ["small", "medium", "large"], ["open", "closed"], ["cat", "dog", "bird"]]
 TOPICS = ["a fictional person", "a city", "a book", "a product", "a pet", "a recipe", "a planet", "a company"]
 TOOLS = [
@@ -144,10 +146,7 @@ def main() -> None:
     for name, flags in [("plain", []), ("speculative_ngram", ["--speculative", "ngram"])]:
         report[name] = run_cluster(model, args.num, flags)
     report["load_1min_after"] = open("/proc/loadavg").read().split()[0]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    json.dump(report, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    sys.stdout.write(write_json(report, Path(args.out)).read_text())
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any
 
 from bench.ab import alternate, summary
 from bench.grammar_engines import schema_and_reply
+from bench.report import write_json
 
 LIST_SCHEMA = json.dumps({"type": "object", "properties": {"items": {
     "type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 400}}, "required": ["items"]})
@@ -108,10 +109,7 @@ def main() -> None:
     engine.generate(PROMPTS[0], _params(True, 4))  # warm: tokenizer, compile cache, first steps
     for batch in (1, 32):
         report[f"batch_{batch}"] = throughput(engine, batch, args.rounds, args.max_tokens)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    json.dump(report, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    sys.stdout.write(write_json(report, Path(args.out)).read_text())
 
 
 if __name__ == "__main__":

@@ -165,3 +165,18 @@ def test_forbidden_tokens_follow_llguidance_bit_order() -> None:
     forbidden = forbidden_tokens(bitmask, 101)
     assert forbidden.shape == (1, 101)
     assert [t for t in range(101) if not forbidden[0, t]] == allowed
+
+
+def test_sampled_speculation_only_emits_what_the_grammar_allows() -> None:
+    """Sampling with n-gram drafts: forbidden drafts are rejected and the verifier samples
+    the masked distribution, so every reply still matches (prompts repeat non-matching text,
+    so the drafts often propose forbidden tokens)."""
+    spec = make_engine(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1))
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, constraint=Constraint(ConstraintKind.REGEX, PATTERN))
+              for s in range(8)]
+    prompts = ["123-ab xyz 123-ab xyz 123-ab xyz 123-", "aaaa-1111 aaaa-1111 aaaa"] * 4
+    outs = spec.generate(prompts, params)
+    texts = [spec.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    assert all(o.finish_reason == "stop" and regex.fullmatch(PATTERN, t) for o, t in zip(outs, texts)), texts
+    assert spec.spec_stats.num_draft_tokens > 0
+    spec.check_integrity()

@@ -87,7 +87,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         context.set_trailing_metadata(((INCARNATION_KEY, str(self.incarnation)),))  # gateway/legs.py
         rid = str(request.request_id)
         prompt = list(request.prompt_token_ids)
-        params = convert.sampling_params_from_proto(request.sampling, request.stopping)
+        params = convert.sampling_params_from_proto(request.sampling, request.stopping, request.constraint)
         if request.prefill_mode not in _MODES:
             raise ValueError(f"prefill_mode must be PREFILL_MODE_LOCAL or PREFILL_MODE_REMOTE, got {request.prefill_mode}")
         if not prompt:

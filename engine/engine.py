@@ -29,6 +29,7 @@ from engine.request import Request
 from engine.sampler import make_generator, skip_sampled_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import StructuredOutput
 
 Prompt = str | Sequence[int]
 
@@ -45,7 +46,7 @@ class EngineStats:
     num_received_prompt_tokens: int = 0  # prompt tokens whose K/V came from another worker
 
 
-class Engine:
+class Engine(StructuredOutput):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
@@ -64,6 +65,9 @@ class Engine:
         if config.speculative is not None:
             self.proposer = make_proposer(config.speculative, self.runner)
         self._ids = itertools.count()
+        self._init_structured_output(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        if self.grammars is not None:
+            self.runner.grammar_stats = self.grammars.stats
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Outputs of requests that finished on admission (admit_prefilled), for step().
         self._early_outputs: list[RequestOutput] = []
@@ -157,7 +161,8 @@ class Engine:
         self._validate_prior_draws(num_prior_draws, len(token_ids))
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self._new_request(request_id, token_ids, params, hold_kv, num_prior_draws)
-        self.scheduler.add(request)
+        if not self._defer_until_compiled(request, num_prior_draws, self.scheduler.add):
+            self.scheduler.add(request)
         if self.tokenizer is not None and self.config.detokenize:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
         return request_id
@@ -167,20 +172,22 @@ class Engine:
         reserved (``reserve_kv``) under the id; no output for it comes out of ``step()``
         afterwards. False if the id is not (or no longer) known."""
         self._detok.pop(request_id, None)
+        pending = self._drop_pending_grammar(request_id)
         num_early = len(self._early_outputs)
         self._early_outputs = [o for o in self._early_outputs if o.request_id != request_id]
-        return self.scheduler.abort(request_id) or len(self._early_outputs) < num_early
+        return self.scheduler.abort(request_id) or len(self._early_outputs) < num_early or pending
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or an output is still to be returned.
         Held and reserved blocks do not count: they wait on the caller, not on ``step()``."""
-        return self.scheduler.has_unfinished() or bool(self._early_outputs)
+        return self.scheduler.has_unfinished() or bool(self._early_outputs) or bool(self._pending_grammars)
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs for requests that gained tokens or finished
         (first those that finished on admission, see ``admit_prefilled``)."""
         early, self._early_outputs = self._early_outputs, []
+        early += self._admit_compiled()
         out = self.scheduler.schedule()
         self.stats.num_preemptions += len(out.preempted)
         if out.is_empty:
@@ -192,11 +199,10 @@ class Engine:
         for item in out.scheduled:
             for token in result.tokens.get(item.request.request_id, ()):
                 self._record_logprobs(item.request, token)
-        self.scheduler.update_after_step(
-            out,
-            {rid: [t.token_id for t in tokens] for rid, tokens in result.tokens.items()},
-            result.num_accepted,
-        )
+        sampled = {rid: [t.token_id for t in tokens] for rid, tokens in result.tokens.items()}
+        self._advance_grammars(out, sampled)
+        self.scheduler.update_after_step(out, sampled, result.num_accepted)
+        self._finish_completed_grammars(out)
         self.stats.num_steps += 1
         self._propose()
         return early + [

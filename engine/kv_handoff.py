@@ -54,6 +54,7 @@ class HandoffHost(Protocol):
                      num_skipped_draws: int = 0) -> Request: ...
     def _record_logprobs(self, request: Request, token: SampledToken) -> None: ...
     def _make_output(self, request: Request, num_before: int) -> Any: ...
+    def _defer_until_compiled(self, request: Request, num_prior: int, admit: Any) -> bool: ...
 
 
 def is_int(value: object) -> bool:
@@ -194,11 +195,16 @@ class KVHandoff:
         request.append_output_token(first_token_id)
         self._host._record_logprobs(request, first)
         request.num_computed_tokens = len(token_ids)
-        self._count_received(request)
         if self._host.tokenizer is not None and self._host.config.detokenize:
             detok = IncrementalDetokenizer(self._host.tokenizer, token_ids)
             detok.add([first_token_id])
             self._host._detok[request_id] = detok
+        # A constrained request joins once its grammar is compiled (engine/structured_output.py).
+        if not self._host._defer_until_compiled(request, num_prior_draws, self._add_prefilled):
+            self._add_prefilled(request)
+
+    def _add_prefilled(self, request: Request) -> None:
+        self._count_received(request)
         if not self._host.scheduler.add_prefilled(request):
             self._host._early_outputs.append(self._host._make_output(request, num_before=1))
 

@@ -10,6 +10,8 @@ import torch
 
 from engine import cpu_tuning
 from engine.config import EngineConfig
+from engine.grammar import GrammarStats
+from engine.grammar_masks import mask_logits, mask_verification
 from engine.kv_layout import INT8_SCALE_BYTES, KVLayout
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import load_hf_config, load_weights
@@ -136,6 +138,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.spec_stats = SpecDecodeStats()
+        self.grammar_stats = GrammarStats()  # mask counters; the engine's compiler adds its own
 
     def _own_intra_op_threads(self) -> None:
         """On the stepping thread: the configured thread count, pinned one per CPU if asked."""
@@ -206,6 +209,7 @@ class ModelRunner:
         if plain:
             plain_logits = logits[: len(plain)]
             self._suppress_stop_tokens(plain_logits, plain)
+            mask_logits(plain_logits, [r.grammar for r in plain], self.grammar_stats)
             metadata = SamplingMetadata.build(
                 [r.sampling_params for r in plain],
                 [r.all_token_ids for r in plain],
@@ -218,11 +222,15 @@ class ModelRunner:
         return result
 
     def _verify(self, items: list[ScheduledRequest], logits: torch.Tensor, result: StepResult) -> None:
-        """Verify each request's drafts against the target's k + 1 logit rows (in item order)."""
+        """Verify each request's drafts against the target's k + 1 logit rows (in item order).
+        A constrained request's rows are masked by its grammar and its drafts cut at the first
+        one the grammar forbids (``engine/grammar_masks.py``)."""
+        drafts = [list(item.spec_token_ids) for item in items]
+        logits, drafts = mask_verification(logits, drafts, [i.request.grammar for i in items], self.grammar_stats)
         if all(_is_plain_greedy(item.request.sampling_params) for item in items):
-            outputs = self._verify_greedy(items, logits)
+            outputs = self._verify_greedy(drafts, logits)
         else:
-            outputs = self._verify_sampled(items, logits)
+            outputs = self._verify_sampled(items, drafts, logits)
         for item, token_ids in zip(items, outputs):
             request_id = item.request.request_id
             result.tokens[request_id] = [SampledToken(t) for t in token_ids]
@@ -232,21 +240,23 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _verify_greedy(items: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
+    def _verify_greedy(drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
         """All rows greedy without penalties: the target token at every row is the argmax of
         the raw logits, so one argmax and one host copy serve the whole step."""
         target_ids = greedy_tokens(logits).tolist()  # [sum(k + 1)]
         outputs, row = [], 0
-        for item in items:
-            k = len(item.spec_token_ids)
-            outputs.append(greedy_verify(item.spec_token_ids, target_ids[row : row + k + 1]))
+        for row_drafts in drafts:
+            k = len(row_drafts)
+            outputs.append(greedy_verify(row_drafts, target_ids[row : row + k + 1]))
             row += k + 1
         return outputs
 
-    def _verify_sampled(self, items: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
+    def _verify_sampled(
+        self, items: list[ScheduledRequest], drafts: list[list[int]], logits: torch.Tensor
+    ) -> list[list[int]]:
         """Any sampling row: processed target distributions and ``rejection_sample``."""
         requests = [item.request for item in items]
-        ks = [len(item.spec_token_ids) for item in items]
+        ks = [len(d) for d in drafts]
         rows_params = [r.sampling_params for r, k in zip(requests, ks) for _ in range(k + 1)]
         rows_history = [r.all_token_ids for r, k in zip(requests, ks) for _ in range(k + 1)]
         rows_gens = [r.generator for r, k in zip(requests, ks) for _ in range(k + 1)]
@@ -262,7 +272,7 @@ class ModelRunner:
         row = 0
         for i, (item, k) in enumerate(zip(items, ks)):
             target_probs[i, : k + 1] = flat_probs[row : row + k + 1]
-            draft_ids[i, :k] = torch.tensor(item.spec_token_ids)
+            draft_ids[i, :k] = torch.tensor(drafts[i], dtype=torch.int64)
             if draft_probs is not None:
                 if item.request.draft_probs is not None:
                     draft_probs[i, :k] = item.request.draft_probs[:k]

@@ -76,6 +76,9 @@ class Request:
     draft_num_computed: int = 0
     num_draft_tokens: int = 0  # drafts verified over the request's life
     num_accepted_tokens: int = 0  # of which accepted
+    # Structured output: the request's grammar matcher (engine.grammar.GrammarState), advanced
+    # over every token the request produced; None for an unconstrained request.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from engine.constraints import Constraint
+
 # Caps that keep one request from hurting the batch; the services expose the same limits.
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
@@ -37,6 +39,8 @@ class SamplingParams:
     # Speculative decoding: at most this many draft tokens per step (None: the server's k;
     # 0: never speculate for this request). Capped by the server's k.
     num_speculative_tokens: int | None = None
+    # Structured output: what the reply must match (engine/constraints.py); None: free text.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -63,6 +67,11 @@ class SamplingParams:
             raise ValueError(
                 f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens!r}"
             )
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
+        if self.constraint is not None and self.min_tokens > 0:
+            # EOS banned while the grammar may allow nothing else would leave no token at all.
+            raise ValueError("min_tokens cannot be combined with a constraint")
         stop_ids = tuple(self.stop_token_ids)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(
             not isinstance(t, int) or t < 0 for t in stop_ids

@@ -98,7 +98,7 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
             stopping=req.attempt_stopping,
             prefill_mode=decode_pb2.PREFILL_MODE_LOCAL if local else decode_pb2.PREFILL_MODE_REMOTE,
             reservation_wait_ms=reservation_wait_ms, lease_ms=lease_ms,
-            num_prior_output_tokens=req.num_tokens,
+            num_prior_output_tokens=req.num_tokens, constraint=req.validated.constraint,
         ),
         metadata=req.metadata, timeout=req.time_remaining(),
     )
@@ -226,7 +226,7 @@ async def _start_prefill(req: GatewayRequest, prompt: list[int], registry: Regis
                 num_blocks=r.num_blocks, incarnation=r.incarnation, transfer_secret=r.transfer_secret,
                 num_cached_blocks=r.num_cached_blocks,
             ),
-            num_prior_output_tokens=req.num_tokens,
+            num_prior_output_tokens=req.num_tokens, constraint=req.validated.constraint,
         ),
         metadata=req.metadata, timeout=req.time_remaining(),
     ))

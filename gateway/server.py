@@ -15,6 +15,7 @@ from gateway.validation import Limits
 from plumbing import rpc
 from plumbing.config import GatewayConfig
 from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
+from plumbing.grammar_metrics import register_grammar_metrics
 from plumbing.metrics import GatewayMetrics, serve_metrics
 from plumbing.security import Security
 from plumbing.servers import INTERNAL, PUBLIC, Servers, write_ready_file
@@ -48,6 +49,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
                         routing=config.routing, routing_metrics=metrics.routing)
     metrics.count_workers(registry.num_serving)
     service = GatewayService(config, registry, tokenizer, limits, metrics, model_name)
+    register_grammar_metrics(metrics.registry, lambda: service.grammars.stats if service.grammars else None)
     servers = Servers(security, metrics.count_auth_failure)
     host = config.server.host
     address = servers.add(PUBLIC, host, config.server.port,

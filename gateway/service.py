@@ -33,7 +33,8 @@ from gateway.registry import Registry
 from gateway.request import GatewayRequest
 from gateway.text import TextStream
 from gateway.prompt import prompt_token_ids
-from gateway.validation import Limits, ValidatedRequest, finish, precheck
+from engine.grammar import GrammarCompiler
+from gateway.validation import Limits, ValidatedRequest, check_constraint_compiles, finish, precheck
 from plumbing import tracing
 from plumbing.config import GatewayConfig
 from plumbing.identity import mint_id
@@ -60,6 +61,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.metrics = metrics
         self.model_name = model_name
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer, limits.vocab_size, limits.eos_token_ids)
         self.num_in_flight = 0
 
     # -- RPCs ---------------------------------------------------------------------------
@@ -141,9 +143,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     async def _validate(self, request: gateway_pb2.GenerateRequest) -> ValidatedRequest:
         """``validation.validate``, its costly middle step off the event loop."""
         precheck(request, self.limits)
-        prompt = await asyncio.get_running_loop().run_in_executor(
+        loop = asyncio.get_running_loop()
+        prompt = await loop.run_in_executor(
             self._tokenizer_thread, prompt_token_ids, request, self.tokenizer, self.chat, self.limits.vocab_size)
-        return finish(request, prompt, self.limits, self.chat)
+        validated = finish(request, prompt, self.limits, self.chat)
+        if validated.params.constraint is not None:
+            await loop.run_in_executor(self._tokenizer_thread, check_constraint_compiles, validated.params, self.grammars)
+        return validated
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)

@@ -12,9 +12,10 @@ from typing import Any
 from google.protobuf import unknown_fields
 
 from engine.chat import ChatTemplate
+from engine.grammar import GrammarCompiler
 from engine.sampling_params import SamplingParams
 from gateway.prompt import MAX_BYTES_PER_TOKEN, check_prompt_size, prompt_token_ids
-from plumbing.convert import sampling_params_from_proto, sampling_params_to_proto
+from plumbing.convert import constraint_to_proto, sampling_params_from_proto, sampling_params_to_proto
 from splitserve.v1 import common_pb2, gateway_pb2
 
 
@@ -30,6 +31,7 @@ class ValidatedRequest:
     stopping: common_pb2.StoppingCriteria
     resume_token_ids: tuple[int, ...] = ()  # GenerateRequest.resume: tokens the client has
     num_resumes: int = 0  # resume.num_previous_resumes + 1 when resumed, else 0
+    constraint: common_pb2.Constraint | None = None  # structured output, caps checked
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def finish(request: gateway_pb2.GenerateRequest, prompt: list[int], limits: Limi
             f"stopping.max_new_tokens={request.stopping.max_new_tokens} exceeds what max_model_len="
             f"{limits.max_model_len} leaves after a {len(prompt)}-token prompt ({budget})"
         )
-    params = sampling_params_from_proto(request.sampling, request.stopping)
+    params = sampling_params_from_proto(request.sampling, request.stopping, request.constraint)
     if request.WhichOneof("prompt") == "chat" and chat is not None and not params.ignore_eos:
         end_ids = tuple(t for t in chat.end_of_turn_ids if t not in params.stop_token_ids)
         params = replace(params, stop_token_ids=params.stop_token_ids + end_ids)
@@ -105,7 +107,8 @@ def finish(request: gateway_pb2.GenerateRequest, prompt: list[int], limits: Limi
     resumed = request.HasField("resume")
     return ValidatedRequest(prompt, params, tuple(request.stopping.stop_strings), sampling, stopping,
                             resume_token_ids=check_resume(request.resume, params, limits) if resumed else (),
-                            num_resumes=request.resume.num_previous_resumes + 1 if resumed else 0)
+                            num_resumes=request.resume.num_previous_resumes + 1 if resumed else 0,
+                            constraint=constraint_to_proto(params.constraint))
 
 
 def check_resume(resume: gateway_pb2.Resume, params: SamplingParams, limits: Limits) -> tuple[int, ...]:
@@ -124,6 +127,17 @@ def check_resume(resume: gateway_pb2.Resume, params: SamplingParams, limits: Lim
         raise ValueError(f"resume.token_ids[{early}]: {ids[early]} is a stop token, which ends the request, "
                          "yet tokens follow it")
     return ids
+
+
+def check_constraint_compiles(params: SamplingParams, grammars: GrammarCompiler | None) -> None:
+    """Compile the request's constraint (ms; cached by the schema's hash) so that one that
+    does not compile is INVALID_ARGUMENT here, with the library's reason, not a worker
+    failure. Runs off the event loop."""
+    if params.constraint is None:
+        return
+    if grammars is None:
+        raise ValueError("constraint: this model has no tokenizer to compile grammars with")
+    grammars.compile(params.constraint)
 
 
 def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limits,

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from http_front import responses as out
+from http_front import structured
 from http_front.body import decode, read_body
 from http_front.calls import Calls
 from http_front.errors import ApiError, ErrorResponse, Guard, bad_field, from_rpc, http_exception, server_error
@@ -161,13 +162,14 @@ class Front:
         rid = out.response_id(parsed.chat)
         headers = {REQUEST_ID_KEY: request_id}
         if parsed.stream:
-            return SSEResponse(self._sse(parsed, calls, rid), calls, self.metrics, headers)
+            events = structured.tool_call_events(self._sse(parsed, calls, rid), parsed.tools)
+            return SSEResponse(events, calls, self.metrics, headers)
         choices = [out.Choice(i) for i in range(len(parsed.requests))]
         error = await _until_disconnect(request.receive, _collect(calls, choices))
         if error is not None:
             return error_response(error, request_id)
-        return JSONResponse(out.whole(parsed.chat, rid, parsed.model, choices, parsed.logprobs is not None),
-                            headers=headers)
+        body = out.whole(parsed.chat, rid, parsed.model, choices, parsed.logprobs is not None)
+        return JSONResponse(structured.attach_tool_calls(body, parsed.tools), headers=headers)
 
     async def _parse(self, request: Request, chat: bool) -> Parsed:
         """The headers and the body (read up to ``max_body_bytes``, decoded and checked),

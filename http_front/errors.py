@@ -51,6 +51,7 @@ _PARAMS: tuple[tuple[str, str], ...] = (
     ("prompt.text", "prompt"),
     ("prompt.token_ids", "prompt"),
     ("max_model_len", "max_tokens"),
+    ("constraint", "response_format"),  # or guided_* / tools: the one constraint the request set
 )
 
 

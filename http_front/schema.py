@@ -28,6 +28,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       ValidationError, ValidationInfo, create_model, field_validator)
 from pydantic_core import PydanticCustomError
 
+from http_front import structured
 from http_front.errors import bad_field, from_validation
 from splitserve.v1 import gateway_pb2
 
@@ -38,7 +39,8 @@ UINT64_MAX = 2**64 - 1
 _ROLES = {"system": gateway_pb2.CHAT_ROLE_SYSTEM, "user": gateway_pb2.CHAT_ROLE_USER,
           "assistant": gateway_pb2.CHAT_ROLE_ASSISTANT, "developer": gateway_pb2.CHAT_ROLE_SYSTEM}
 # Refused when set to anything but null/false/[]/{}: what this server does not do.
-UNSERVED = ("echo", "best_of", "suffix", "tools", "functions", "response_format", "logit_bias")
+# (tools, tool_choice, parallel_tool_calls, response_format and guided_*: http_front/structured.py)
+UNSERVED = ("echo", "best_of", "suffix", "functions", "logit_bias")
 
 
 def _utf8(value: str) -> str:
@@ -262,6 +264,7 @@ class Parsed:
     include_usage: bool
     logprobs: int | None  # None: none asked; else the number of top alternatives
     body: Any = None  # the validated body (every group's fields), for what the response needs
+    tools: structured.ToolPlan | None = None  # chat with tools: how replies become tool calls
 
 
 def parse(body: object, chat: bool, default_max_tokens: int) -> Parsed:
@@ -269,6 +272,7 @@ def parse(body: object, chat: bool, default_max_tokens: int) -> Parsed:
     ``ApiError`` (400 naming the field) when it cannot be served."""
     if not isinstance(body, dict):
         raise bad_field("body", "must be a JSON object")
+    body, extra = structured.parse(body, chat)  # tools, response_format, guided_*
     try:
         fields: Any = (ChatBody if chat else CompletionBody).model_validate(body)
     except ValidationError as exc:
@@ -276,12 +280,14 @@ def parse(body: object, chat: bool, default_max_tokens: int) -> Parsed:
     request = gateway_pb2.GenerateRequest()
     for group in CHAT_GROUPS if chat else COMPLETION_GROUPS:
         group.apply(fields, request)
+    if extra.constraint is not None:
+        request.constraint.CopyFrom(extra.constraint)
     if not request.stopping.max_new_tokens:
         request.stopping.max_new_tokens = default_max_tokens
     options = fields.stream_options
     return Parsed(chat=chat, model=fields.model, requests=tuple(_choice(request, i) for i in range(fields.n or 1)),
                   stream=bool(fields.stream), include_usage=bool(options and options.include_usage),
-                  logprobs=fields.num_logprobs(), body=fields)
+                  logprobs=fields.num_logprobs(), body=fields, tools=extra.tools)
 
 
 def _choice(request: gateway_pb2.GenerateRequest, index: int) -> gateway_pb2.GenerateRequest:

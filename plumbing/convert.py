@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 
+from engine.constraints import Constraint, ConstraintKind
 from engine.kv_events import KVEventBatch
 from engine.kv_layout import KVLayout
 from engine.sampling_params import SamplingParams
@@ -43,10 +44,12 @@ def _finite(value: float, name: str) -> float:
 def sampling_params_from_proto(
     sampling: common_pb2.SamplingParams,
     stopping: common_pb2.StoppingCriteria,
+    constraint: common_pb2.Constraint | None = None,
 ) -> SamplingParams:
     """Build engine ``SamplingParams``; ``ValueError`` names the proto field."""
     try:
         return SamplingParams(
+            constraint=constraint_from_proto(constraint),
             temperature=_finite(sampling.temperature, "temperature") if sampling.HasField("temperature") else 1.0,
             top_p=_finite(sampling.top_p, "top_p") if sampling.HasField("top_p") else 1.0,
             top_k=int(sampling.top_k) if sampling.top_k > 0 else -1,
@@ -117,3 +120,32 @@ def kv_layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
 def kv_events_to_proto(batch: KVEventBatch) -> gateway_pb2.KVEvents:
     """A batch of the engine's KV events as the heartbeat's ``kv_events``."""
     return gateway_pb2.KVEvents(seq=batch.seq, reset=batch.reset, stored=batch.stored, removed=batch.removed)
+
+
+def constraint_from_proto(msg: common_pb2.Constraint | None) -> Constraint | None:
+    """The engine's ``Constraint`` (caps checked: ``ConstraintError`` names the field), or
+    None when no kind is set."""
+    kind = None if msg is None else msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return Constraint(ConstraintKind.JSON_SCHEMA, msg.json_schema.schema, strict=msg.json_schema.strict)
+    if kind == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if kind == "choice":
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(msg.choice.choices))
+    return Constraint(ConstraintKind(kind), getattr(msg, kind))
+
+
+def constraint_to_proto(constraint: Constraint | None) -> common_pb2.Constraint | None:
+    if constraint is None:
+        return None
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_SCHEMA:
+        schema = common_pb2.Constraint.JsonSchema(schema=constraint.text, strict=constraint.strict)
+        return common_pb2.Constraint(json_schema=schema)
+    if kind is ConstraintKind.JSON_OBJECT:
+        return common_pb2.Constraint(json_object=common_pb2.Constraint.JsonObject())
+    if kind is ConstraintKind.CHOICE:
+        return common_pb2.Constraint(choice=common_pb2.Constraint.Choice(choices=list(constraint.choices)))
+    return common_pb2.Constraint(**{kind.value: constraint.text})

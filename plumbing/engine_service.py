@@ -21,6 +21,7 @@ from plumbing.identity import mint_id
 from plumbing.discovery import parse_source
 from plumbing.kv_event_sender import KVEventSender, KVEventTee
 from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
+from plumbing.grammar_metrics import register_grammar_metrics
 from plumbing.metrics import WorkerMetrics, serve_metrics
 from plumbing.registration import RegistrationClient, Registrations
 from plumbing.security import Security
@@ -42,6 +43,8 @@ class EngineServicer:
         self.engine = engine
         self.incarnation = mint_id()  # this process start (plumbing.identity)
         self.metrics = WorkerMetrics.create(self.role_name)
+        register_grammar_metrics(self.metrics.registry, lambda: engine.grammars.stats if engine.grammars else None,
+                                 {"role": self.role_name})
         self.security = Security.from_config(config.server.security)
         self.channel_security = self.security.channels()  # every client channel of this process
         self.loop = asyncio.get_running_loop()

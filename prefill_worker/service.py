@@ -58,7 +58,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         context.set_trailing_metadata(((INCARNATION_KEY, str(self.incarnation)),))  # gateway/legs.py
         rid = str(request.request_id)
         prompt = list(request.prompt_token_ids)
-        params = convert.sampling_params_from_proto(request.sampling, request.stopping).for_prefill()
+        params = convert.sampling_params_from_proto(request.sampling, request.stopping, request.constraint).for_prefill()
         if not request.target.address:
             raise ValueError("target.address must name the decode worker")
         num_prior = request.num_prior_output_tokens

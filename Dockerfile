@@ -35,7 +35,7 @@ COPY splitserve ./splitserve
 # builds its wheel from exactly these COPY lines).
 COPY bench ./bench
 COPY models ./models
-# setup.py's build_py hook generates splitserve/v1/*_pb2*.py from protos/; build_ext compiles
+# setup.py's build_py hook generates splitserve_api/v1/*_pb2*.py from protos/; build_ext compiles
 # the kernels. A wheel without them fails the build here.
 RUN pip wheel --no-build-isolation --no-deps -w /wheels . \
     && python -c "import sys, zipfile, glob; names = zipfile.ZipFile(glob.glob('/wheels/*.whl')[0]).namelist(); \
@@ -54,7 +54,7 @@ COPY --from=build /wheels /wheels
 COPY --from=build /src/models ./models
 # The package and its dependencies (pip install . in the build stage's terms); the kernels load.
 RUN pip install /wheels/splitserve-*.whl && rm -rf /wheels \
-    && python -c "import splitserve.v1.gateway_pb2_grpc, plumbing.rpc, bench.main" \
+    && python -c "import splitserve_api.v1.gateway_pb2_grpc, plumbing.rpc, bench.main" \
     && python -c "from kernels.native import native_kernels as k; import sys; sys.exit(0 if k().available else k().reason)"
 
 # The default model is fetched at build time, into the image (98 MB): SmolLM2-135M-Instruct

@@ -9,7 +9,7 @@ PORT   ?= 50051
 
 .PHONY: setup run test test-avx2 tools bench bench-throughput report gpu-check wheel-check vllm-venv clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto) $(wildcard kernels/csrc/*)
+$(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve_api/v1/*.proto) $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first, so the range in pyproject.toml resolves to it.
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve/v1/*.proto) $(wil
 	$(PY) -m pip install -q 'setuptools>=68' wheel 'grpcio-tools>=1.60'
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
 	# Regenerate the protobuf modules with this venv's grpcio-tools (matches its protobuf).
-	$(PY) -m splitserve.protogen
+	$(PY) -m splitserve_api.protogen
 	touch $(STAMP)
 
 setup: $(STAMP)

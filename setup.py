@@ -45,7 +45,7 @@ NATIVE_VARIANTS = {
 
 class BuildPyWithProtos(build_py):
     def run(self) -> None:
-        spec = importlib.util.spec_from_file_location("_protogen", ROOT / "splitserve" / "protogen.py")
+        spec = importlib.util.spec_from_file_location("_protogen", ROOT / "splitserve_api" / "protogen.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         module.generate(ROOT)

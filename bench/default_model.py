@@ -122,7 +122,7 @@ async def _stream(stub: object, question: str, max_tokens: int) -> dict:
 async def _deployment_load(address: str, prompts: list[str], max_tokens: int) -> dict:
     import grpc
 
-    from splitserve.v1 import gateway_pb2_grpc
+    from splitserve_api.v1 import gateway_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)

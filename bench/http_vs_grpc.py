@@ -29,7 +29,7 @@ from bench.workload import LengthDist, RequestSpec, synthetic
 from plumbing.rpc import channel_options
 from splitserve.client import make_request
 from splitserve.cluster import Cluster
-from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import gateway_pb2, gateway_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "target"

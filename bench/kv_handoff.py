@@ -106,7 +106,7 @@ def _whole_bytes(num_tokens: int, bytes_per_token: float) -> int:
 def decode_counters(gateway: str, metrics_url: str) -> dict:
     """The decode worker's prefix-cache figures: GetStats and its Prometheus text."""
     from plumbing.rpc import channel_options
-    from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+    from splitserve_api.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
     with grpc.insecure_channel(gateway, options=channel_options()) as channel:
         info = gateway_pb2_grpc.GatewayStub(channel).GetInfo(gateway_pb2.GetInfoRequest(), timeout=5)

@@ -82,7 +82,7 @@ class LoadGenerator:
 
     async def __aenter__(self) -> LoadGenerator:
         from plumbing.rpc import channel_options
-        from splitserve.v1 import gateway_pb2_grpc
+        from splitserve_api.v1 import gateway_pb2_grpc
 
         self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)

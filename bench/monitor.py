@@ -36,7 +36,7 @@ class KvSample:
 async def _workers(gateway: str) -> list[tuple[str, str, object]]:
     """(name, address, GetStats callable) for every registered worker."""
     from plumbing.rpc import channel_options
-    from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
+    from splitserve_api.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 
     async with grpc.aio.insecure_channel(gateway, options=channel_options()) as channel:
         info = await gateway_pb2_grpc.GatewayStub(channel).GetInfo(gateway_pb2.GetInfoRequest(), timeout=5.0)
@@ -71,7 +71,7 @@ class KvMonitor:
 
     async def _poll(self, workers: list[tuple[str, str, object]]) -> None:
         from plumbing.rpc import channel_options
-        from splitserve.v1 import common_pb2
+        from splitserve_api.v1 import common_pb2
 
         channels = [grpc.aio.insecure_channel(addr, options=channel_options()) for _, addr, _ in workers]
         stubs = [stub_cls(ch) for (_, _, stub_cls), ch in zip(workers, channels)]

@@ -30,7 +30,7 @@ from bench.metrics import percentile
 from bench.workload import LengthDist, RequestSpec, synthetic
 from splitserve.client import make_request
 from splitserve.cluster import Cluster
-from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, kv_transfer_pb2
+from splitserve_api.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, kv_transfer_pb2
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "target"
 

@@ -39,7 +39,7 @@ from plumbing.tls import TlsConfig, TlsStore
 from splitserve.certs import write_bundle
 from splitserve.client import ClientAuth, make_request
 from splitserve.cluster import Cluster
-from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import gateway_pb2, gateway_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "target"

@@ -41,7 +41,7 @@ from plumbing.blocking import DaemonCalls
 from plumbing.identity import mint_id
 from plumbing.rpc import ServiceError
 from plumbing.transport import KVChannel, TransportError, TransportUnavailable
-from splitserve.v1 import kv_transfer_pb2
+from splitserve_api.v1 import kv_transfer_pb2
 
 log = structlog.get_logger()
 MAX_CHANNELS = 64

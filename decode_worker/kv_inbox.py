@@ -38,7 +38,7 @@ from plumbing.metrics import WorkerMetrics
 from plumbing.rpc import ServiceError
 from plumbing.transport import KVChannel, TransportKind
 from plumbing.transport.pages import StagingPool, chunk_ranges
-from splitserve.v1 import kv_transfer_pb2
+from splitserve_api.v1 import kv_transfer_pb2
 
 log = structlog.get_logger()
 MAX_MESSAGES = 1024  # messages one transfer may take (TransferHeader.chunk_blocks)

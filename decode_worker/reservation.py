@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from plumbing.identity import frame_tag
-from splitserve.v1 import kv_transfer_pb2
+from splitserve_api.v1 import kv_transfer_pb2
 
 
 class Phase(enum.Enum):

@@ -39,7 +39,7 @@ from plumbing import convert
 from plumbing.config import WorkerConfig
 from plumbing.engine_service import EngineServicer
 from plumbing.rpc import INCARNATION_KEY, ServiceError, peer_host
-from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2
+from splitserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2
 
 log = structlog.get_logger()
 _MODES = (decode_pb2.PREFILL_MODE_LOCAL, decode_pb2.PREFILL_MODE_REMOTE)

@@ -39,7 +39,7 @@ from gateway.workers import WorkerEntry
 from gateway.request import GatewayRequest
 from gateway.routing import LEG_LOCAL, LEG_PREFILL
 from plumbing.rpc import INCARNATION_KEY
-from splitserve.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
+from splitserve_api.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
 
 PREFILL_ANSWER_GRACE_S = 2.0  # how long a finished stream waits for the prefill's answer (its timings)
 MIN_CLIENT_TIME_S = 0.05  # a worker's DEADLINE_EXCEEDED with less client time left than this is the client's

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.block_hash import BlockHash, prompt_block_hashes
-from splitserve.v1 import gateway_pb2
+from splitserve_api.v1 import gateway_pb2
 
 
 class PrefixIndex:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.chat import ChatTemplate
-from splitserve.v1 import gateway_pb2
+from splitserve_api.v1 import gateway_pb2
 
 MAX_BYTES_PER_TOKEN = 128
 

@@ -37,7 +37,7 @@ from plumbing.config import RoutingConfig
 from plumbing.identity import mint_id
 from plumbing.channels import ChannelSecurity, PeerChannel
 from plumbing.metrics import RoutingMetrics
-from splitserve.v1 import (
+from splitserve_api.v1 import (
     common_pb2,
     decode_pb2_grpc,
     gateway_pb2,

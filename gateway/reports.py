@@ -23,7 +23,7 @@ like a silent one.
 from __future__ import annotations
 
 from engine.block_hash import BLOCK_HASH_BYTES
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 MAX_GAUGE = 1 << 40  # queue gauges (requests, prompt tokens) above this are not believed
 _STATES = (common_pb2.WORKER_STATE_UNSPECIFIED, common_pb2.WORKER_STATE_SERVING,

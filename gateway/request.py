@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from gateway.text import TextStream
 from gateway.validation import ValidatedRequest
 from plumbing.metrics import GatewayMetrics
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 
 @dataclass(eq=False)

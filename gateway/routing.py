@@ -37,7 +37,7 @@ from gateway.prefix_index import prompt_hashes
 from gateway.workers import WorkerEntry
 from plumbing.config import RoutingConfig
 from plumbing.metrics import RoutingMetrics
-from splitserve.v1 import common_pb2
+from splitserve_api.v1 import common_pb2
 
 
 REASON_PREFIX = "prefix"  # the chosen worker holds part of the prompt

@@ -19,7 +19,7 @@ from plumbing.grammar_metrics import register_grammar_metrics
 from plumbing.metrics import GatewayMetrics, serve_metrics
 from plumbing.security import Security
 from plumbing.servers import INTERNAL, PUBLIC, Servers, write_ready_file
-from splitserve.v1 import common_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
 GATEWAY, REGISTRY = "splitserve.v1.Gateway", "splitserve.v1.WorkerRegistry"

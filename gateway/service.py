@@ -40,7 +40,7 @@ from plumbing.config import GatewayConfig
 from plumbing.identity import mint_id
 from plumbing.metrics import GatewayMetrics
 from plumbing.rpc import REQUEST_ID_KEY, TRACEPARENT_KEY, ServiceError, check_request_id, metadata_value
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
 

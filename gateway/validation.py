@@ -16,7 +16,7 @@ from engine.grammar import GrammarCompiler
 from engine.sampling_params import SamplingParams
 from gateway.prompt import MAX_BYTES_PER_TOKEN, check_prompt_size, prompt_token_ids
 from plumbing.convert import constraint_to_proto, sampling_params_from_proto, sampling_params_to_proto
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 
 @dataclass(frozen=True)

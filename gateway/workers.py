@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from gateway.prefix_index import PrefixIndex
 from plumbing.channels import PeerChannel
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 
 @dataclass

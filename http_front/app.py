@@ -36,7 +36,7 @@ from plumbing import tracing
 from plumbing.identity import mint_id
 from plumbing.resume import ResumePolicy
 from plumbing.rpc import REQUEST_ID_KEY, check_request_id
-from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
 # gRPC metadata takes printable ASCII, at most 16 KiB in all (8 KiB before calls may fail).

@@ -20,7 +20,7 @@ import grpc
 
 from http_front.errors import ApiError, from_rpc
 from plumbing.resume import ResumePolicy, generate_resumable
-from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass(frozen=True)

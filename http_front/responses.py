@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 _FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
            common_pb2.FINISH_REASON_ABORT: "abort"}

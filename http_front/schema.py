@@ -30,7 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from http_front import structured
 from http_front.errors import bad_field, from_validation
-from splitserve.v1 import gateway_pb2
+from splitserve_api.v1 import gateway_pb2
 
 MAX_N = 8  # choices per request (each is its own gateway request)
 MAX_LOGPROBS = 20  # the gateway's cap on top alternatives

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from http_front.errors import bad_field
-from splitserve.v1 import common_pb2
+from splitserve_api.v1 import common_pb2
 
 MAX_PARALLEL_CALLS = 4
 MAX_TOOLS = 64

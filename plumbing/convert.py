@@ -9,7 +9,7 @@ from engine.constraints import Constraint, ConstraintKind
 from engine.kv_events import KVEventBatch
 from engine.kv_layout import KVLayout
 from engine.sampling_params import SamplingParams
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 # Engine field name -> the request field a client set, for error messages.
 _FIELD_NAMES = {

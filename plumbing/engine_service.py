@@ -26,7 +26,7 @@ from plumbing.metrics import WorkerMetrics, serve_metrics
 from plumbing.registration import RegistrationClient, Registrations
 from plumbing.security import Security
 from plumbing.servers import INTERNAL, Servers, write_ready_file
-from splitserve.v1 import common_pb2
+from splitserve_api.v1 import common_pb2
 
 T = TypeVar("T")
 log = structlog.get_logger()

@@ -22,7 +22,7 @@ import grpc
 from engine.block_hash import BlockHash
 from engine.kv_events import KVEventBatch, KVEventLog
 from plumbing.convert import kv_events_to_proto
-from splitserve.v1 import gateway_pb2
+from splitserve_api.v1 import gateway_pb2
 
 
 class KVEventSender:

@@ -3,8 +3,8 @@
 The reference servicer (grpcio-reflection) serves each file as ``CopyToProto`` rebuilds it
 from the generated module, which carries no source info: ``grpcurl describe`` then shows no
 documentation. This servicer answers for our own files with the descriptors protoc wrote
-with ``--include_source_info`` (``splitserve/v1/descriptors.binpb``, generated beside the
-modules by ``splitserve/protogen.py``), and for the rest (health, well-known types) as the
+with ``--include_source_info`` (``splitserve_api/v1/descriptors.binpb``, generated beside the
+modules by ``splitserve_api/protogen.py``), and for the rest (health, well-known types) as the
 reference does. A method's full name (``splitserve.v1.Gateway.Generate``) is looked up as
 its service, which the Python pool does not do by itself (grpc/grpc#34743).
 
@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer
 
 V1 = "grpc.reflection.v1.ServerReflection"
 V1ALPHA = reflection.SERVICE_NAME
-_DESCRIPTOR_SET = Path(__file__).resolve().parents[1] / "splitserve" / "v1" / "descriptors.binpb"
+_DESCRIPTOR_SET = Path(__file__).resolve().parents[1] / "splitserve_api" / "v1" / "descriptors.binpb"
 
 
 @cache

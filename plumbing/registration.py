@@ -25,7 +25,7 @@ import structlog
 from plumbing.channels import ChannelSecurity, PeerChannel
 from plumbing.discovery import DiscoveryError, GatewaySource
 from plumbing.kv_event_sender import KVEventSender, KVEventTee
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
 

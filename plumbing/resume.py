@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 import structlog
 
-from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger()
 

@@ -49,7 +49,7 @@ from plumbing.channels import ChannelSecurity, PeerChannel
 from plumbing.rpc import ServiceError
 from plumbing.transport import KVChannel, TransportUnavailable
 from plumbing.transport.pages import StagingPool, chunk_ranges, send_chunks
-from splitserve.v1 import decode_pb2_grpc, kv_transfer_pb2
+from splitserve_api.v1 import decode_pb2_grpc, kv_transfer_pb2
 
 log = structlog.get_logger()
 JOIN_BACKOFF_S, MAX_JOIN_BACKOFF_S = 0.5, 30.0

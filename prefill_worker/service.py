@@ -28,7 +28,7 @@ from plumbing.config import WorkerConfig
 from plumbing.identity import TRANSFER_SECRET_BYTES, frame_tag
 from plumbing.rpc import INCARNATION_KEY, ServiceError
 from plumbing.transport.pages import chunk_blocks_for
-from splitserve.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
+from splitserve_api.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from plumbing.engine_service import EngineServicer
 from prefill_worker.channels import ChannelPool
 

@@ -23,7 +23,7 @@ from plumbing.resume import LOAD_BALANCING, BrokenStream, ResumableStream, Resum
 from plumbing.rpc import channel_options
 from plumbing.tls import TlsConfig, load_material
 from splitserve.progress import process_alive, read_status
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import structlog
 
 from bench.chaos.procs import ChaosCluster
-from splitserve.v1 import common_pb2
+from splitserve_api.v1 import common_pb2
 
 log = structlog.get_logger()
 PHASES = ("before_prefill", "prefill", "transfer", "decode")

@@ -14,7 +14,7 @@ import grpc
 
 from bench.chaos.workload import RequestSpec
 from plumbing.resume import LOAD_BALANCING, ResumePolicy, gateway_target, generate_resumable
-from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import gateway_pb2, gateway_pb2_grpc
 
 HANG_SLACK_S = 5.0  # a call still open this long after its deadline is a hang
 RESUME = ResumePolicy(max_retries=40, first_backoff_s=0.05, max_backoff_s=0.5)

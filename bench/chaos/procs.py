@@ -18,7 +18,7 @@ import grpc
 
 from plumbing.rpc import channel_options
 from splitserve.cluster import Cluster
-from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
+from splitserve_api.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 
 ROLES = ("gateway", "prefill", "decode")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.client import make_request
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 STOP_STRINGS = ("\n\n", "):", "self.", "return", " = ")

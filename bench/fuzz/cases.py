@@ -11,7 +11,7 @@ from bench.fuzz.methods import GATEWAY, REGISTRY, UNKNOWN_METHOD, WORKERS, Metho
 from bench.fuzz.profile import FuzzProfile
 from bench.fuzz.strategies import draw, generate_request, message_of
 from bench.fuzz.wire import MUTATIONS, garbage, mutate
-from splitserve.v1 import decode_pb2, prefill_pb2
+from splitserve_api.v1 import decode_pb2, prefill_pb2
 
 Case = tuple[Method, bytes, str]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
-from splitserve.v1 import common_pb2, decode_pb2, gateway_pb2, kv_transfer_pb2, prefill_pb2
+from splitserve_api.v1 import common_pb2, decode_pb2, gateway_pb2, kv_transfer_pb2, prefill_pb2
 
 COMMON = frozenset({"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED",
                     "UNIMPLEMENTED"})

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench.fuzz.methods import Method
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 CALL_DEADLINE_S = 10.0
 # Big enough for the 1 MiB garbage and the 400,000-character prompts; the servers keep 4 MiB.

@@ -24,7 +24,7 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 U32_EDGES = [0, 1, 2, 8, 255, 256, 65535, 2**31 - 1, 2**31, 2**32 - 1]
 U64_EDGES = [*U32_EDGES, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1]

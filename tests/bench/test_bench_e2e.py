@@ -114,7 +114,7 @@ def test_tiny_profile_from_a_wheel(tmp_path: Path) -> None:
 
 def check_installed(python: Path, venv: Path) -> None:
     """The project's packages load from the venv, and ``splitserve bench --help`` works."""
-    where = subprocess.run([str(python), "-c", "import bench, engine, plumbing.rpc, splitserve.v1.gateway_pb2 as g; "
+    where = subprocess.run([str(python), "-c", "import bench, engine, plumbing.rpc, splitserve_api.v1.gateway_pb2 as g; "
                             "print(bench.__file__, engine.__file__, plumbing.rpc.__file__, g.__file__)"],
                            cwd=venv, env=clean_env(), check=True, capture_output=True, text=True).stdout.split()
     assert all(Path(path).is_relative_to(venv) for path in where), where

@@ -22,7 +22,7 @@ from bench.fuzz.strategies import draw, generate_request
 from bench.fuzz.wire import MUTATIONS, mutate
 from engine.models.spec import load_tokenizer
 from splitserve.client import make_request
-from splitserve.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
+from splitserve_api.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
 
 MODEL = str(Path(__file__).resolve().parents[2] / "models" / "target")
 

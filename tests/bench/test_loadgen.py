@@ -16,7 +16,7 @@ from bench.loadgen import LoadGenerator, LoadPlan, poisson_offsets
 from bench.metrics import Slo
 from bench.online import measure
 from bench.workload import RequestSpec
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 BAD_TOKEN = 0  # the fake rejects prompts that start with it
 

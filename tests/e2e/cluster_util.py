@@ -12,7 +12,7 @@ import grpc
 
 from splitserve.client import make_request
 from plumbing.rpc import channel_options
-from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
+from splitserve_api.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "target")

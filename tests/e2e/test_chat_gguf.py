@@ -12,7 +12,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.chat import ChatTemplate
 from splitserve.client import make_chat_request
 from splitserve.cluster import Cluster
-from splitserve.v1 import common_pb2
+from splitserve_api.v1 import common_pb2
 from tests.e2e.cluster_util import ROOT, stream, stream_many, wait_all_free
 from tests.engine.gguf_files import checkpoint_to_gguf
 

@@ -19,7 +19,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from splitserve.client import make_chat_request, make_request
 from splitserve.cluster import Cluster
 from plumbing.rpc import channel_options
-from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, kv_transfer_pb2
+from splitserve_api.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, kv_transfer_pb2
 from tests.e2e.cluster_util import (
     MODEL, code_prompts, greedy_requests, idle, stream, stream_many, wait_all_free, worker_stats,
 )

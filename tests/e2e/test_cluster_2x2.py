@@ -14,7 +14,7 @@ import pytest
 from engine import Engine, EngineConfig, SamplingParams
 from splitserve.client import make_request
 from splitserve.cluster import Cluster
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.e2e.cluster_util import MODEL, code_prompts, greedy_requests, idle, stream, stream_many, wait_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_2x2")]

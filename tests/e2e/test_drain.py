@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from plumbing.identity import mint_id
 from splitserve.client import make_request
 from splitserve.cluster import wait_ready
-from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.e2e.cluster_util import MODEL
 
 pytestmark = [pytest.mark.slow]

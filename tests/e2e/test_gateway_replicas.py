@@ -29,7 +29,7 @@ from plumbing.auth import bearer_metadata
 from plumbing.resume import ResumePolicy
 from splitserve.client import GatewayClient, make_request, wait_for_workers
 from splitserve.cluster import Cluster, mint_secret
-from splitserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
+from splitserve_api.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 from tests.e2e.cluster_util import MODEL, code_prompts
 from tests.helpers.dnsmasq import DOMAIN, DnsServer, shared_port
 

@@ -22,7 +22,7 @@ import pytest
 
 from splitserve.client import make_chat_request, make_request
 from splitserve.cluster import Cluster
-from splitserve.v1 import gateway_pb2_grpc
+from splitserve_api.v1 import gateway_pb2_grpc
 from tests.e2e.cluster_util import ROOT, wait_all_free
 from tests.helpers.otlp import Receiver
 
@@ -294,7 +294,7 @@ def test_reflection_v1_answers_like_v1alpha(cluster: Cluster) -> None:
             file_containing_symbol="splitserve.v1.Gateway")]), timeout=10))
     files = [descriptor_pb2.FileDescriptorProto.FromString(b)
              for b in reply.file_descriptor_response.file_descriptor_proto]
-    gateway = next(f for f in files if f.name == "splitserve/v1/gateway.proto")
+    gateway = next(f for f in files if f.name == "splitserve_api/v1/gateway.proto")
     comments = [loc.leading_comments for loc in gateway.source_code_info.location]
     assert " Public inference API.\n" in comments
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from splitserve.cluster import Cluster
-from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.e2e.cluster_util import MODEL, code_prompts, greedy_requests, stream_many, worker_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_quant")]

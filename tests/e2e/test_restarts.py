@@ -23,7 +23,7 @@ import pytest
 
 from splitserve.client import make_request, wait_for_workers
 from splitserve.cluster import Cluster
-from splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.e2e.cluster_util import MODEL, idle, stream_many, wait_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_restarts")]

@@ -23,7 +23,7 @@ from engine.models.spec import load_tokenizer
 from splitserve.client import GatewayClient, make_request, wait_for_workers
 from splitserve.cluster import Cluster
 from plumbing.resume import ResumePolicy
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 from tests.e2e.cluster_util import MODEL, code_prompts, idle, wait_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_resume")]

@@ -21,7 +21,7 @@ import pytest
 from plumbing.rpc import channel_options
 from splitserve.client import GatewayClient, make_request
 from splitserve.cluster import Cluster
-from splitserve.v1 import common_pb2, decode_pb2_grpc
+from splitserve_api.v1 import common_pb2, decode_pb2_grpc
 from tests.e2e.cluster_util import MODEL, idle, wait_all_free
 from tests.e2e.test_resume import (MAX_TOKENS, PATIENT, PROMPTS, Received, _openai_stream, drain, references,  # noqa: F401
                                    wait_progress)

@@ -31,7 +31,7 @@ from plumbing.tls import TlsConfig
 from splitserve.certs import Bundle, Issued, issue, make_ca, write_bundle
 from splitserve.client import ClientAuth, make_request
 from splitserve.cluster import Cluster
-from splitserve.v1 import (
+from splitserve_api.v1 import (
     common_pb2,
     decode_pb2_grpc,
     gateway_pb2,

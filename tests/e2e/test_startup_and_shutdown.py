@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.cluster import wait_ready
-from splitserve.v1 import (
+from splitserve_api.v1 import (
     common_pb2,
     decode_pb2_grpc,
     gateway_pb2,

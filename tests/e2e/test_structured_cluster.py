@@ -17,7 +17,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.constraints import Constraint, ConstraintKind
 from splitserve.client import make_request
 from splitserve.cluster import Cluster
-from splitserve.v1 import common_pb2
+from splitserve_api.v1 import common_pb2
 from tests.e2e.cluster_util import MODEL, code_prompts, stream, wait_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("structured_cluster")]

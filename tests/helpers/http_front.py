@@ -19,7 +19,7 @@ from http_front.config import HttpConfig
 from http_front.metrics import FrontMetrics
 from http_front.server import _bind, gateway_channel
 from plumbing.rpc import make_server
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 MODEL = "m"
 

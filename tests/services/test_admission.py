@@ -24,7 +24,7 @@ from plumbing import rpc
 from plumbing.config import GatewayConfig, ServerConfig
 from plumbing.metrics import GatewayMetrics
 from splitserve.client import make_request
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.services.test_kv_inbox import Harness
 
 N = 3

@@ -26,7 +26,7 @@ def test_the_contracts_are_buf_lint_clean() -> None:
 
 def test_a_rule_the_config_keeps_still_fails(tmp_path: Path) -> None:
     shutil.copy(ROOT / "protos" / "buf.yaml", tmp_path / "buf.yaml")
-    proto = tmp_path / "splitserve" / "v1" / "extra.proto"
+    proto = tmp_path / "splitserve_api" / "v1" / "extra.proto"
     proto.parent.mkdir(parents=True)
     proto.write_text('syntax = "proto3";\npackage splitserve.v1;\nmessage Extra {\n  uint32 camelCase = 1;\n}\n')
     result = _lint(tmp_path)

@@ -19,7 +19,7 @@ from plumbing.blocking import DaemonCalls
 from plumbing.convert import kv_layout_to_proto
 from plumbing.rpc import ServiceError
 from plumbing.transport.nccl_lib import NcclLibrary, bootstrap_host
-from splitserve.v1 import kv_transfer_pb2
+from splitserve_api.v1 import kv_transfer_pb2
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 

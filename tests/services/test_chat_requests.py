@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from engine.chat import ChatTemplate
 from gateway.validation import Limits, validate
 from splitserve.client import chat_messages, make_chat_request, make_request
-from splitserve.v1 import gateway_pb2
+from splitserve_api.v1 import gateway_pb2
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "target"
 LIMITS = Limits(vocab_size=4096, max_model_len=512, max_stop_strings=8, max_stop_string_bytes=256)

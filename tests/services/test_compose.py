@@ -112,7 +112,7 @@ def test_dockerfile_installs_the_package_and_builds_protos() -> None:
     text = (ROOT / "Dockerfile").read_text()
     # The build stage makes the wheel (kernels compiled against the image's torch), the image installs it.
     assert "pip wheel --no-build-isolation --no-deps -w /wheels ." in text and "pip install /wheels/" in text
-    assert "splitserve.v1.gateway_pb2_grpc" in text and "native_kernels" in text
+    assert "splitserve_api.v1.gateway_pb2_grpc" in text and "native_kernels" in text
     for path in ("protos", "engine", "kernels", "gateway", "prefill_worker", "decode_worker", "splitserve", "models"):
         assert f"COPY {path} ./{path}" in text
     assert 'ENTRYPOINT ["splitserve"]' in text

@@ -14,7 +14,7 @@ from engine.grammar import GrammarCompiler
 from gateway.validation import Limits, check_constraint_compiles, validate
 from plumbing.convert import constraint_from_proto, constraint_to_proto
 from splitserve.client import make_request
-from splitserve.v1 import common_pb2
+from splitserve_api.v1 import common_pb2
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "target"
 LIMITS = Limits(vocab_size=4096, max_model_len=512, max_stop_strings=8, max_stop_string_bytes=256,

@@ -34,7 +34,7 @@ from plumbing.discovery import (
 )
 from plumbing.kv_event_sender import KVEventSender, KVEventTee
 from plumbing.registration import RegistrationClient, Registrations
-from splitserve.v1 import common_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2_grpc
 from tests.helpers.dnsmasq import DOMAIN, DnsServer, shared_port
 
 NAME = f"gw.{DOMAIN}"

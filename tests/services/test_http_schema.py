@@ -7,7 +7,7 @@ import pytest
 
 from http_front.errors import ApiError, from_rpc, param_of
 from http_front.schema import parse
-from splitserve.v1 import gateway_pb2
+from splitserve_api.v1 import gateway_pb2
 
 
 def test_a_completion_body_becomes_one_generate_request() -> None:

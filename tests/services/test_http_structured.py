@@ -10,7 +10,7 @@ import pytest
 from http_front import structured
 from http_front.errors import ApiError
 from http_front.schema import parse
-from splitserve.v1 import common_pb2
+from splitserve_api.v1 import common_pb2
 
 C = common_pb2.Constraint
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -18,7 +18,7 @@ import pytest
 
 from plumbing.config import SecurityConfig, ServerConfig
 from plumbing.tls import TlsConfig
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "target")

@@ -14,7 +14,7 @@ from plumbing import rpc
 from plumbing.config import RoutingConfig
 from plumbing.kv_event_sender import KVEventSender
 from plumbing.registration import RegistrationClient
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 H = [bytes([i + 1]) * 16 for i in range(6)]
 

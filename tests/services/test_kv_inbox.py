@@ -27,7 +27,7 @@ from plumbing.identity import frame_tag
 from plumbing.metrics import WorkerMetrics
 from plumbing.rpc import ServiceError
 from plumbing.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
-from splitserve.v1 import kv_transfer_pb2
+from splitserve_api.v1 import kv_transfer_pb2
 
 MODEL = str(Path(__file__).resolve().parents[2] / "models" / "target")
 INCARNATION, PREFILL_INCARNATION = 0xDEC0DE, 0xF111

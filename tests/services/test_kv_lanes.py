@@ -17,7 +17,7 @@ from engine.kv_layout import KVLayout
 from plumbing.transport.gloo import connect_gloo
 from plumbing.transport.pages import StagingPool, chunk_ranges, recv_chunks
 from prefill_worker.channels import ChannelPool
-from splitserve.v1 import kv_transfer_pb2
+from splitserve_api.v1 import kv_transfer_pb2
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 DECODE_INCARNATION = 77

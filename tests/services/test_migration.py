@@ -24,7 +24,7 @@ from plumbing import rpc
 from plumbing.config import GatewayConfig, ServerConfig
 from plumbing.metrics import GatewayMetrics
 from splitserve.client import make_request
-from splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 MODEL = str(Path(__file__).resolve().parents[2] / "models" / "target")
 TOKENIZER = load_tokenizer(MODEL)

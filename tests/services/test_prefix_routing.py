@@ -18,7 +18,7 @@ from gateway.routing import REASON_IMBALANCE, REASON_LOAD, REASON_PREFIX
 from plumbing.config import RoutingConfig
 from plumbing.kv_event_sender import KVEventSender
 from plumbing.metrics import GatewayMetrics
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 DECODE, PREFILL = common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_PREFILL
 MODEL = str(Path(__file__).resolve().parents[2] / "models" / "target")

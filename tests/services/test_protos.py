@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve import protogen
+from splitserve_api import protogen
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOS = protogen.proto_files()
@@ -22,7 +22,7 @@ def test_every_proto_is_generated_into_a_fresh_directory(tmp_path: Path) -> None
     } | {"descriptors.binpb"}
     assert all(p.is_file() and p.stat().st_size > 0 for p in written)
     # The fresh copy imports on its own (what a clean clone's install produces).
-    code = "import splitserve.v1.gateway_pb2_grpc as g; print(g.GatewayStub.__name__)"
+    code = "import splitserve_api.v1.gateway_pb2_grpc as g; print(g.GatewayStub.__name__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr
@@ -31,7 +31,7 @@ def test_every_proto_is_generated_into_a_fresh_directory(tmp_path: Path) -> None
     from google.protobuf import descriptor_pb2
 
     files = descriptor_pb2.FileDescriptorSet.FromString((tmp_path / protogen.DESCRIPTOR_SET).read_bytes()).file
-    assert {f.name for f in files} == {f"splitserve/v1/{m}.proto" for m in MODULES}
+    assert {f.name for f in files} == {f"splitserve_api/v1/{m}.proto" for m in MODULES}
     assert all(any(loc.leading_comments for loc in f.source_code_info.location) for f in files)
 
 
@@ -42,8 +42,8 @@ def test_generated_code_is_not_committed() -> None:
 
 @pytest.mark.parametrize("module", MODULES)
 def test_generated_modules_import(module: str) -> None:
-    importlib.import_module(f"splitserve.v1.{module}_pb2")
-    importlib.import_module(f"splitserve.v1.{module}_pb2_grpc")
+    importlib.import_module(f"splitserve_api.v1.{module}_pb2")
+    importlib.import_module(f"splitserve_api.v1.{module}_pb2_grpc")
 
 
 def _undocumented(text: str) -> list[str]:
@@ -84,7 +84,7 @@ def test_ids_are_uint64() -> None:
 
 
 def test_nccl_unique_id_round_trips_through_the_handshake() -> None:
-    from splitserve.v1 import common_pb2, kv_transfer_pb2
+    from splitserve_api.v1 import common_pb2, kv_transfer_pb2
 
     unique_id = bytes(range(128))
     msg = kv_transfer_pb2.KVChannelHandshake(

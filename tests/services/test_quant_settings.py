@@ -17,7 +17,7 @@ from gateway.registry import Registry
 from plumbing import config as cfg
 from plumbing.convert import kv_layout_from_proto, kv_layout_to_proto
 from plumbing.rpc import ServiceError
-from splitserve.v1 import common_pb2, gateway_pb2, kv_transfer_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2, kv_transfer_pb2
 
 INT8 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="int8")
 

@@ -19,7 +19,7 @@ from plumbing.config import RoutingConfig
 from plumbing.discovery import DiscoveryError, StaticSource
 from plumbing.kv_event_sender import KVEventSender, KVEventTee
 from plumbing.registration import RegistrationClient, Registrations
-from splitserve.v1 import common_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2_grpc
 
 H = [bytes([i + 1]) * 16 for i in range(8)]
 DECODE = common_pb2.WORKER_ROLE_DECODE

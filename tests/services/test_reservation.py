@@ -17,7 +17,7 @@ from decode_worker.reservation import ALLOWED, InvalidTransition, Phase, Reserva
 from engine import SamplingParams
 from plumbing.identity import frame_tag
 from plumbing.rpc import ServiceError
-from splitserve.v1 import kv_transfer_pb2
+from splitserve_api.v1 import kv_transfer_pb2
 from tests.services.test_kv_inbox import PREFILL_INCARNATION, Harness, _pages_like, _pair, until_phase
 
 P = Phase

@@ -33,7 +33,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from plumbing.metrics import WorkerMetrics
 from plumbing.rpc import ServiceError
 from plumbing.transport import TransportError, TransportKind
-from splitserve.v1 import kv_transfer_pb2
+from splitserve_api.v1 import kv_transfer_pb2
 
 MODEL = str(Path(__file__).resolve().parents[2] / "models" / "target")
 INCARNATION = 0xDEC0DE

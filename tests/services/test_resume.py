@@ -20,7 +20,7 @@ from gateway.text import TextStream
 from gateway.validation import validate
 from plumbing.config import GatewayConfig, ServerConfig
 from splitserve.client import make_request
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 from tests.services.test_migration import MODEL, PROMPT, SCRIPT, TOKENIZER, ScriptedDecode, generate, tokens
 
 

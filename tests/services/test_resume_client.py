@@ -18,7 +18,7 @@ import pytest
 from plumbing import rpc
 from plumbing.resume import LOAD_BALANCING, ResumableStream, ResumePolicy, generate_resumable, gateway_target
 from splitserve.client import GatewayClient, make_request
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SCRIPT = list(range(100, 124))
 FAST = ResumePolicy(max_retries=5, first_backoff_s=0.01, max_backoff_s=0.05)

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from plumbing import rpc
-from splitserve.v1 import (
+from splitserve_api.v1 import (
     decode_pb2,
     decode_pb2_grpc,
     gateway_pb2,

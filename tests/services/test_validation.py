@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from gateway.validation import Limits, validate
 from splitserve.client import make_request
-from splitserve.v1 import common_pb2, gateway_pb2
+from splitserve_api.v1 import common_pb2, gateway_pb2
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "target"
 LIMITS = Limits(vocab_size=4096, max_model_len=512, max_stop_strings=8, max_stop_string_bytes=256)
@@ -81,7 +81,7 @@ def test_forwarded_params_are_the_validated_ones() -> None:
     """The gateway forwards the canonical protos of what it validated; a worker converting
     them gets exactly the validated SamplingParams."""
     from plumbing.convert import sampling_params_from_proto
-    from splitserve.v1 import common_pb2
+    from splitserve_api.v1 import common_pb2
 
     request = gateway_pb2.GenerateRequest(
         token_ids=gateway_pb2.TokenIds(ids=[1, 2, 3]),

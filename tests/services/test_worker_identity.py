@@ -13,7 +13,7 @@ import gateway.registry as registry_module
 from gateway.registry import Registry
 from plumbing import rpc
 from plumbing.registration import RegistrationClient
-from splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 DECODE = common_pb2.WORKER_ROLE_DECODE
 

@@ -2,7 +2,7 @@
 
 ``setup.py`` loads this file by path in its build_py hook; ``make setup`` runs it with
 the virtualenv's grpcio-tools so the generated code matches the installed protobuf
-runtime. Output lands next to the package (``splitserve/v1/*_pb2*.py``), git-ignored.
+runtime. Output lands next to the package (``splitserve_api/v1/*_pb2*.py``), git-ignored.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
-DESCRIPTOR_SET = Path("splitserve") / "v1" / "descriptors.binpb"
+DESCRIPTOR_SET = Path("splitserve_api") / "v1" / "descriptors.binpb"
 
 
 def proto_files(proto_dir: Path = PROTO_DIR) -> list[Path]:

@@ -53,8 +53,8 @@ test-avx2: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q -n auto --dist loadgroup $(AVX2_TESTS)
 
 # promtool (Debian's prometheus package) for the metrics check of tests/e2e/test_openai_front.py,
-# buf (npm's @bufbuild/buf, into .cache/buf) for tests/services/test_buf_lint.py, dnsmasq (a
-# real DNS server) for the DNS discovery tests (tests/services/test_discovery.py,
+# buf (npm's @bufbuild/buf, into .cache/buf) for tests/splitserve_api/test_buf_lint.py, dnsmasq (a
+# real DNS server) for the DNS discovery tests (tests/plumbing/test_discovery.py,
 # tests/e2e/test_gateway_replicas.py); best effort: without one, its check is skipped, with the reason.
 tools:
 	@command -v dnsmasq > /dev/null 2>&1 || test -x /usr/sbin/dnsmasq || (apt-get install -y -qq --no-install-recommends dnsmasq \

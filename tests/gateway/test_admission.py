@@ -25,7 +25,7 @@ from plumbing.config import GatewayConfig, ServerConfig
 from plumbing.metrics import GatewayMetrics
 from splitserve.client import make_request
 from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.services.test_kv_inbox import Harness
+from tests.decode_worker.test_kv_inbox import Harness
 
 N = 3
 LIMITS = Limits(vocab_size=100, max_model_len=64, max_stop_strings=8, max_stop_string_bytes=256, bytes_per_token=4)

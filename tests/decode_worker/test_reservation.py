@@ -18,7 +18,7 @@ from engine import SamplingParams
 from plumbing.identity import frame_tag
 from plumbing.rpc import ServiceError
 from splitserve_api.v1 import kv_transfer_pb2
-from tests.services.test_kv_inbox import PREFILL_INCARNATION, Harness, _pages_like, _pair, until_phase
+from tests.decode_worker.test_kv_inbox import PREFILL_INCARNATION, Harness, _pages_like, _pair, until_phase
 
 P = Phase
 HEADER = kv_transfer_pb2.TransferHeader(first_token_id=1)

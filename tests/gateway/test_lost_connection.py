@@ -24,7 +24,7 @@ from plumbing.metrics import GatewayMetrics
 from plumbing.rpc import INCARNATION_KEY
 from splitserve.client import make_request
 from splitserve_api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.services.test_migration import MODEL, PROMPT, SCRIPT, TOKENIZER, ScriptedDecode
+from tests.gateway.test_migration import MODEL, PROMPT, SCRIPT, TOKENIZER, ScriptedDecode
 
 HEALTHY_ERROR = "KV receive failed: recv: Connection reset by peer"
 

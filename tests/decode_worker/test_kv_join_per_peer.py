@@ -16,7 +16,7 @@ from decode_worker import kv_channels
 from decode_worker.kv_channels import MAX_CHANNELS, MAX_JOINS_PER_PEER, ChannelTable
 from plumbing.rpc import ServiceError
 from plumbing.transport.gloo import GlooRendezvous
-from tests.services.test_channel_guard import _handshake, _inbox
+from tests.decode_worker.test_channel_guard import _handshake, _inbox
 
 SILENT, HONEST = 666, 7  # prefill incarnations: the stalling peer and a well-behaved one
 

@@ -14,7 +14,7 @@ import torch
 from plumbing.transport import TransportError
 from plumbing.transport.gloo import GlooRendezvous
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PEER = Path(__file__).with_name("gloo_peer.py")
 TIMEOUT_S = 3.0
 NUMEL = 64 * 1024  # 256 KiB per message

@@ -21,7 +21,7 @@ from gateway.validation import validate
 from plumbing.config import GatewayConfig, ServerConfig
 from splitserve.client import make_request
 from splitserve_api.v1 import common_pb2, gateway_pb2
-from tests.services.test_migration import MODEL, PROMPT, SCRIPT, TOKENIZER, ScriptedDecode, generate, tokens
+from tests.gateway.test_migration import MODEL, PROMPT, SCRIPT, TOKENIZER, ScriptedDecode, generate, tokens
 
 
 def resumed(request: gateway_pb2.GenerateRequest, delivered: list[int], previous: int = 0) -> gateway_pb2.GenerateRequest:

@@ -12,7 +12,7 @@ import torch
 
 from plumbing.identity import frame_tag
 from decode_worker.reservation import Phase
-from tests.services.test_kv_inbox import PREFILL_INCARNATION, Harness, _pages_like, _pair, until_phase
+from tests.decode_worker.test_kv_inbox import PREFILL_INCARNATION, Harness, _pages_like, _pair, until_phase
 
 
 def test_pages_framed_without_the_transfers_secret_never_land() -> None:

@@ -1,6 +1,6 @@
 """A rank-1 Gloo peer run as a child process by test_gloo_peer_death.py.
 
-    python tests/transport/gloo_peer.py HOST PORT TIMEOUT_S NUMEL
+    python tests/plumbing/transport/gloo_peer.py HOST PORT TIMEOUT_S NUMEL
 
 Prints "imported" once torch is loaded (the parent then accepts), joins the rendezvous,
 and sends ``torch.full((NUMEL,), i)`` for i = 0, 1, 2, ... until it is killed.

@@ -30,6 +30,7 @@ COPY http_front ./http_front
 COPY prefill_worker ./prefill_worker
 COPY decode_worker ./decode_worker
 COPY plumbing ./plumbing
+COPY splitserve_api ./splitserve_api
 COPY splitserve ./splitserve
 # The benchmark harness, so `splitserve bench` runs in the image (tests/bench/test_bench_e2e.py
 # builds its wheel from exactly these COPY lines).

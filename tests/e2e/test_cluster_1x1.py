@@ -37,16 +37,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-METRICS_PORTS = {"gateway": free_port(), "decode-0": free_port()}
+METRICS_PORTS: dict[str, int] = {}  # chosen by the cluster fixture, just before it starts
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
-    logs = tmp_path_factory.mktemp("logs-1x1")
-    with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(logs),
-                 gateway_flags=["--local-prefill-max-tokens", "32", "--metrics-port", str(METRICS_PORTS["gateway"])],
-                 decode_flags=["--metrics-port", str(METRICS_PORTS["decode-0"])]) as c:
-        yield c
+    for attempt in range(3):  # a port free when probed can be taken before the service binds it
+        METRICS_PORTS.update({"gateway": free_port(), "decode-0": free_port()})
+        c = Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(tmp_path_factory.mktemp("logs-1x1")),
+                    gateway_flags=["--local-prefill-max-tokens", "32", "--metrics-port", str(METRICS_PORTS["gateway"])],
+                    decode_flags=["--metrics-port", str(METRICS_PORTS["decode-0"])])
+        try:
+            c.start()
+        except RuntimeError:  # a service exited before it was ready (its log says why)
+            c.stop(grace_s=5)
+            if attempt == 2:
+                raise
+            continue
+        try:
+            yield c
+        finally:
+            c.stop()
+        return
 
 
 @pytest.fixture(scope="module")

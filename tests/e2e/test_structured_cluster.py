@@ -99,3 +99,29 @@ def test_hostile_constraints_are_invalid_argument_and_serving_continues(cluster:
     ok = stream(cluster.addresses["gateway"], constrained([5, 6, 7], C(choice=C.Choice(choices=["ab", "cd"])), 8))
     assert ok.error is None and ok.text in ("ab", "cd")
     wait_all_free(cluster.addresses["gateway"])
+
+
+def test_a_resumed_constrained_stream_continues_under_its_grammar(cluster: Cluster) -> None:
+    """A client that lost its stream sends the tokens it has (``resume``): the gateway
+    continues like a migration, the decode worker's matcher replays them, and the rest equals
+    the unbroken stream's, still matching the pattern. Tokens the grammar forbids are never a
+    ``stop``: the request ends aborted or with an error."""
+    engine = Engine(EngineConfig(model=MODEL, dtype="float32", num_kv_blocks=256))
+    (prompt,) = code_prompts(engine.tokenizer, [100])
+    whole = stream(cluster.addresses["gateway"], constrained(prompt, C(regex=PATTERN), 40))
+    assert whole.error is None and len(whole.token_ids) > 6, whole.details
+    for cut in (1, 5, len(whole.token_ids) - 1):
+        request = constrained(prompt, C(regex=PATTERN), 40)
+        request.resume.token_ids.extend(whole.token_ids[:cut])
+        rest = stream(cluster.addresses["gateway"], request)
+        assert rest.error is None, rest.details
+        assert whole.token_ids[:cut] + rest.token_ids == whole.token_ids
+        assert rest.finish_reason == whole.finish_reason
+        assert whole.text.endswith(rest.text) and len(rest.text) < len(whole.text)
+    forbidden = engine.tokenizer.encode("xyz", add_special_tokens=False)  # no digit first: the pattern refuses it
+    request = constrained(prompt, C(regex=PATTERN), 40)
+    request.resume.token_ids.extend(forbidden)
+    refused = stream(cluster.addresses["gateway"], request)
+    assert refused.finish_reason != common_pb2.FINISH_REASON_STOP
+    assert refused.error is not None or refused.finish_reason == common_pb2.FINISH_REASON_ABORT
+    wait_all_free(cluster.addresses["gateway"])

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import grpc
@@ -36,6 +35,7 @@ from plumbing.kv_event_sender import KVEventSender, KVEventTee
 from plumbing.registration import RegistrationClient, Registrations
 from splitserve_api.v1 import common_pb2, gateway_pb2_grpc
 from tests.helpers.dnsmasq import DOMAIN, DnsServer, shared_port
+from tests.helpers.polling import until
 
 NAME = f"gw.{DOMAIN}"
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
@@ -77,15 +77,6 @@ class _Pool:
         self.events = KVEventLog(max_pending=64)
 
 
-async def _until(check, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
 def test_a_worker_follows_a_dns_name_into_every_gateway_it_lists() -> None:
     port = shared_port(HOSTS)
     with DnsServer({NAME: HOSTS[:3]}) as dns:
@@ -94,11 +85,11 @@ def test_a_worker_follows_a_dns_name_into_every_gateway_it_lists() -> None:
             links = Registrations(parse_source(dns.spec(NAME, port)), _client, KVEventTee.install(_Pool()), 0.05)
             links.start()
             picks = lambda h: gateways[h][1].pick_decode(set()) is not None  # noqa: E731
-            await _until(lambda: all(picks(h) for h in HOSTS[:3]), "every listed gateway picks the worker")
+            await until(lambda: all(picks(h) for h in HOSTS[:3]), "every listed gateway picks the worker")
             assert not gateways[HOSTS[3]][1].workers  # not listed: never registered with
             await asyncio.to_thread(dns.set, NAME, [HOSTS[0], HOSTS[2], HOSTS[3]])
-            await _until(lambda: picks(HOSTS[3]), "the gateway added to DNS picks the worker")
-            await _until(lambda: not picks(HOSTS[1]), "the gateway removed from DNS stops picking it")
+            await until(lambda: picks(HOSTS[3]), "the gateway added to DNS picks the worker")
+            await until(lambda: not picks(HOSTS[1]), "the gateway removed from DNS stops picking it")
             assert [w.state for w in gateways[HOSTS[1]][1].workers.values()] == [common_pb2.WORKER_STATE_DRAINING]
             assert sorted(links.clients) == [f"{h}:{port}" for h in (HOSTS[0], HOSTS[2], HOSTS[3])]
             await links.stop()

@@ -20,6 +20,7 @@ from plumbing.discovery import DiscoveryError, StaticSource
 from plumbing.kv_event_sender import KVEventSender, KVEventTee
 from plumbing.registration import RegistrationClient, Registrations
 from splitserve_api.v1 import common_pb2, gateway_pb2_grpc
+from tests.helpers.polling import until
 
 H = [bytes([i + 1]) * 16 for i in range(8)]
 DECODE = common_pb2.WORKER_ROLE_DECODE
@@ -67,15 +68,6 @@ def _client(gateway: str, kv_events: KVEventSender | None) -> RegistrationClient
                               incarnation=4242, kv_events=kv_events)
 
 
-async def _until(check, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
 def _cached(reg: Registry) -> set[bytes]:
     return {h for entry in reg.workers.values() for h in H if h in entry.prefix}
 
@@ -90,20 +82,20 @@ def test_a_worker_registers_with_every_replica_and_each_index_converges() -> Non
         links = Registrations(source, _client, tee, refresh_s=0.05)
         started = time.monotonic()
         links.start()
-        await _until(lambda: all(len(g[1].workers) == 1 for g in gateways[:2]), "both replicas see the worker")
+        await until(lambda: all(len(g[1].workers) == 1 for g in gateways[:2]), "both replicas see the worker")
         assert time.monotonic() - started < 2.0  # each replica sees the worker within 2 s (here: far less)
         (a,), (b,) = (list(g[1].workers.values()) for g in gateways[:2])
         assert a.incarnation == b.incarnation == 4242  # one process: the same incarnation to both
         for h in H[:4]:
             tee.stored(h)
         tee.removed(H[0])
-        await _until(lambda: all(_cached(g[1]) == set(H[1:4]) for g in gateways[:2]), "both indexes converge")
+        await until(lambda: all(_cached(g[1]) == set(H[1:4]) for g in gateways[:2]), "both indexes converge")
         # A replica that joins later gets the whole cache (its own log, a branch of the engine's).
         source.addresses.append(gateways[2][2])
-        await _until(lambda: _cached(gateways[2][1]) == set(H[1:4]), "the new replica has the whole cache")
+        await until(lambda: _cached(gateways[2][1]) == set(H[1:4]), "the new replica has the whole cache")
         assert tee.num_branches == 3
         tee.stored(H[5])
-        await _until(lambda: all(_cached(g[1]) == {*H[1:4], H[5]} for g in gateways), "every replica sees the change")
+        await until(lambda: all(_cached(g[1]) == {*H[1:4], H[5]} for g in gateways), "every replica sees the change")
         await links.stop()
         for server, reg, _ in gateways:
             await reg.stop()
@@ -119,18 +111,18 @@ def test_a_replica_the_source_stops_naming_is_left_and_never_picks_the_worker_ag
         source = ListSource([g[2] for g in gateways])
         links = Registrations(source, _client, tee, refresh_s=0.05)
         links.start()
-        await _until(lambda: all(g[1].pick_decode(set()) is not None for g in gateways), "both pick the worker")
+        await until(lambda: all(g[1].pick_decode(set()) is not None for g in gateways), "both pick the worker")
         source.fail = True  # a source that cannot be asked changes nothing
         await asyncio.sleep(0.3)
         assert sorted(links.clients) == sorted(g[2] for g in gateways)
         source.fail = False
         source.addresses = [gateways[0][2]]
         left = gateways[1][1]
-        await _until(lambda: left.pick_decode(set()) is None, "the left replica stops picking the worker")
+        await until(lambda: left.pick_decode(set()) is None, "the left replica stops picking the worker")
         (entry,) = left.workers.values()
         assert entry.state == common_pb2.WORKER_STATE_DRAINING  # told, not waited out
         assert gateways[0][1].pick_decode(set()) is not None and tee.num_branches == 1
-        await _until(lambda: not left.workers, "the left replica drops the worker after its missed beats")
+        await until(lambda: not left.workers, "the left replica drops the worker after its missed beats")
         links.state = common_pb2.WORKER_STATE_DRAINING
         await links.beat_once()  # the drain reaches every replica it still has
         assert [w.state for w in gateways[0][1].workers.values()] == [common_pb2.WORKER_STATE_DRAINING]

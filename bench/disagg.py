@@ -37,7 +37,7 @@ from bench import report
 from bench.deployment import DeploymentPool, DeploymentSpec, engine_flags, send_all
 from bench.machine import load_window
 from bench.metrics import RequestRecord, match_outputs, percentile
-from bench.systems import EngineSettings, SystemRun, run_ours
+from bench.engine_run import EngineSettings, SystemRun, run_ours
 from bench.workload import ENGINE_MODEL_DIR, RequestSpec, Workload, ensure_model, make_prompts
 
 NUM_SEQUENTIAL = 8  # the longest prompts, sent one at a time after the burst

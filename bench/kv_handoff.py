@@ -34,7 +34,7 @@ from bench.deployment import engine_flags
 from bench.loadgen import LoadGenerator
 from bench.machine import load_window
 from bench.metrics import RequestRecord, percentile
-from bench.systems import EngineSettings
+from bench.engine_run import EngineSettings
 from bench.workload import ENGINE_MODEL_DIR, RequestSpec, Workload, ensure_model
 
 LENGTHS = (256, 1024)

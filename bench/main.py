@@ -3,9 +3,10 @@
 Sections run in this order, each one's deployments started once and stopped when no later
 section needs them: **online** (load against the deployment: ``--gateway`` or a
 disaggregated deployment of ``--model`` started here), **interference** (disaggregated vs
-colocated), **peers** (offline, in-process systems first, then vLLM, then our deployments).
-A section that fails is recorded as skipped with the error; the others still run, and the
-command exits 1.
+colocated). A section that fails is recorded as skipped with the error; the others still run,
+and the command exits 1. The **peers** section (other systems on the same model and prompts)
+is not measured here: ``python -m benchmarks.peers`` (in the repository, not installed)
+writes it to a file that ``--peers-json`` reads (``bench.peers_file``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from pathlib import Path
 
 from bench import report as report_mod
 from bench.cost import cost_figures
-from bench.deployment import DeploymentPool, DeploymentSpec, engine_flags
+from bench.deployment import DeploymentPool, DeploymentSpec, deployment_spec
 from bench.machine import load_average
 from bench.options import BenchConfig
 from bench.figures import is_skipped, skipped
@@ -30,14 +30,6 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
-def deployment_spec(config: BenchConfig, mode: str, model: Path | str, extra: tuple[str, ...] = ()) -> DeploymentSpec:
-    """``mode`` on ``config.threads`` cores: disaggregated splits them prefill / decode."""
-    prefill = max(1, config.threads // 2)
-    return DeploymentSpec(model=str(model), mode=mode, prefill_threads=prefill,
-                          decode_threads=max(1, config.threads - prefill), colocated_threads=config.threads,
-                          worker_flags=extra)
-
-
 def online_section(config: BenchConfig, pool: DeploymentPool) -> dict:
     from bench import online
 
@@ -45,7 +37,7 @@ def online_section(config: BenchConfig, pool: DeploymentPool) -> dict:
     if config.gateway:
         address, deployment = config.gateway, {"mode": "external", "gateway": config.gateway}
     else:
-        spec = deployment_spec(config, "disaggregated", config.model, config.kv_flags() + config.speculative_flags())
+        spec = deployment_spec(config.threads, "disaggregated", config.model, config.kv_flags() + config.speculative_flags())
         say(f"online: starting {spec.mode} deployment of {config.model.name}")
         address, deployment = pool.address(spec), spec.describe()
     if config.custom_online is None:
@@ -70,7 +62,7 @@ def cost_section(config: BenchConfig, online: dict) -> dict:
 def interference_section(config: BenchConfig, pool: DeploymentPool, keep: set[DeploymentSpec]) -> dict:
     from bench import interference, online
 
-    specs = {mode: deployment_spec(config, mode, config.model, config.kv_flags())
+    specs = {mode: deployment_spec(config.threads, mode, config.model, config.kv_flags())
              for mode in ("disaggregated", "colocated")}
     if config.profile.interference.colocated_one_thread and config.threads > 1:
         specs["colocated, 1 thread"] = replace(specs["colocated"], colocated_threads=1)
@@ -78,21 +70,6 @@ def interference_section(config: BenchConfig, pool: DeploymentPool, keep: set[De
     return interference.run_interference(config.profile.interference, specs, pool,
                                         online.ModelInfo.read(config.model), config.seed, config.progress,
                                         frozenset(keep))
-
-
-def peers_section(config: BenchConfig, pool: DeploymentPool) -> dict:
-    from bench import peers
-
-    setup = peers.prepare(config.profile.peers, config.model, config.seed)
-    flags = config.kv_flags()
-    if config.profile.peers.engine_workload:  # the engine's limits, so the deployments match it
-        flags = engine_flags(setup.settings)
-
-    def spec(mode: str) -> DeploymentSpec:
-        return deployment_spec(config, mode, setup.model_dir, flags)
-
-    return peers.run_peers(config.profile.peers, setup, pool, spec, config.peer_thread_counts,
-                           config.vllm_python, config.out_dir, say)
 
 
 def _guarded(name: str, run: Callable[[], dict], failures: list[str]) -> dict:
@@ -126,18 +103,12 @@ def _make_model(config: BenchConfig) -> None:
         ensure_model(config.model, config.random_model, config.seed)
 
 
-def _later_specs(config: BenchConfig) -> tuple[set[DeploymentSpec], set[DeploymentSpec]]:
-    """Deployments the interference and the peers sections will ask for (so that one started
-    earlier is kept running for them). The peers' engine-workload deployments are never
-    shared (another model), so only the bundled-model case appears here."""
-    modes = ("disaggregated", "colocated")
-    interference = ({deployment_spec(config, m, config.model, config.kv_flags()) for m in modes}
-                    if "interference" in config.sections else set())
-    peers = set()
-    if "peers" in config.sections and not config.profile.peers.engine_workload:
-        peers = {deployment_spec(config, m, config.model, config.kv_flags())
-                 for m in modes if m in config.profile.peers.systems}
-    return interference, peers
+def _later_specs(config: BenchConfig) -> set[DeploymentSpec]:
+    """Deployments the interference section will ask for (so that one started earlier is kept
+    running for it)."""
+    if "interference" not in config.sections:
+        return set()
+    return {deployment_spec(config.threads, m, config.model, config.kv_flags()) for m in ("disaggregated", "colocated")}
 
 
 def run(config: BenchConfig, argv: list[str]) -> tuple[dict, list[str]]:
@@ -147,22 +118,21 @@ def run(config: BenchConfig, argv: list[str]) -> tuple[dict, list[str]]:
     start = time.perf_counter()
     _make_model(config)
     pool = DeploymentPool(config.out_dir / "logs")
-    for_interference, for_peers = _later_specs(config)
+    for_interference = _later_specs(config)
     not_requested = skipped("not requested (--sections)")
     try:
         report["online"] = (_guarded("online", lambda: online_section(config, pool), failures)
                             if "online" in config.sections else not_requested)
         report["cost"] = (cost_section(config, report["online"]) if not is_skipped(report["online"])
                           else skipped("the online section did not run"))
-        pool.retain(for_interference | for_peers)
+        pool.retain(for_interference)
         report["interference"] = (
-            _guarded("interference", lambda: interference_section(config, pool, for_peers), failures)
+            _guarded("interference", lambda: interference_section(config, pool, set()), failures)
             if "interference" in config.sections else not_requested)
-        pool.retain(for_peers)
-        report["peers"] = (_guarded("peers", lambda: peers_section(config, pool), failures)
-                           if "peers" in config.sections else not_requested)
     finally:
         pool.close()
+    report["peers"] = config.peers if config.peers is not None else skipped(
+        "no --peers-json: `python -m benchmarks.peers` (in the repository, not installed) measures the peers")
     report["goals"] = report_mod.goals(report)
     report["elapsed_s"] = time.perf_counter() - start
     report["load_average_end"] = load_average()

@@ -118,6 +118,10 @@ def peers_md(section: dict) -> str:
     out = [f"Workload: {w['name']}; {w['num_requests']} prompts of {w['min_prompt_len']}–{w['max_prompt_len']} "
            f"tokens, {w['output_len']} output tokens each, {w['decoding']}. A system listed with two thread "
            f"counts ran on each, and its better run counts; the deployments' threads are per worker.\n\n"]
+    source = section.get("source")
+    if source:  # measured by another run (``--peers-json``)
+        out.append(f"Measured by `python -m benchmarks.peers` at {source.get('timestamp')} "
+                   f"(commit {source.get('git_commit') or 'none'}), read from `{source['path']}`.\n\n")
     rows = []
     for row in section["systems"]:
         f = row["figures"]

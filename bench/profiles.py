@@ -64,23 +64,6 @@ class OnlineProfile:
 
 
 @dataclass(frozen=True)
-class PeersProfile:
-    """The offline peers on the engine benchmark's workload (``bench.workload.Workload``).
-    ``engine_workload=False`` runs them on the run's model instead (the tiny profile)."""
-
-    systems: tuple[str, ...]
-    engine_workload: bool = True
-    num_requests: int = 64
-    output_len: int = 128
-    min_prompt: int = 16
-    max_prompt: int = 256
-    num_hf_sequential: int = 8
-    # Systems run on 1 and on --threads threads, the better run counting (the others run on
-    # --threads only): generate_batch takes minutes per run and gained nothing from it.
-    best_of_threads: tuple[str, ...] = ("engine", "hf_generate", "vllm_cpu")
-
-
-@dataclass(frozen=True)
 class InterferenceProfile:
     """Steady decode traffic (closed loop) plus a Poisson stream of long prompts."""
 
@@ -105,13 +88,9 @@ class Profile:
 
     name: str
     online: OnlineProfile
-    peers: PeersProfile
     interference: InterferenceProfile
     random_model: ModelShape | None = None
 
-
-ALL_PEERS = ("engine", "hf_generate", "hf_generate_batch", "vllm_cpu", "disaggregated", "colocated")
-FAST_PEERS = ("engine", "hf_generate", "disaggregated", "colocated")
 
 FULL = Profile(
     name="full",
@@ -121,7 +100,6 @@ FULL = Profile(
         code_prompt=LengthDist(64, 320), code_output=LengthDist(128, 128),
         short_prompt=LengthDist(16, 64), long_prompt=LengthDist(320, 400),
         mix_output=LengthDist(32, 96))),
-    peers=PeersProfile(systems=ALL_PEERS),
     interference=InterferenceProfile(),
 )
 
@@ -142,8 +120,6 @@ TINY = Profile(
             mix_output=LengthDist(4, 8), long_fraction=0.3),
         capacity_requests=8, capacity_concurrency=4, sweep_workload="synthetic", sweep_fractions=(0.5, 1.0),
         sweep_requests=6, mix_requests=8, mix_concurrency=4),
-    peers=PeersProfile(systems=FAST_PEERS, engine_workload=False, num_requests=6, output_len=8,
-                       min_prompt=8, max_prompt=48, num_hf_sequential=2, best_of_threads=()),
     interference=InterferenceProfile(decode_clients=2, decode_output=24, long_prompt=LengthDist(200, 240),
                                      long_output=2, long_rate_rps=4.0, num_long=4, baseline_s=0.5,
                                      colocated_one_thread=False),

@@ -44,7 +44,7 @@ from bench.deployment import WARMUP, engine_flags
 from bench.loadgen import LoadGenerator
 from bench.machine import load_window
 from bench.metrics import RequestRecord, match_outputs, percentile, throughput, window_s
-from bench.systems import EngineSettings
+from bench.engine_run import EngineSettings
 from bench.workload import CACHE_DIR, Conversation, LengthDist, ModelShape, RequestSpec, conversations, ensure_model
 
 POLICIES = ("load", "prefix")

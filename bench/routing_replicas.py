@@ -26,7 +26,7 @@ from bench.deployment import WARMUP, engine_flags
 from bench.loadgen import LoadGenerator
 from bench.machine import load_window
 from bench.metrics import RequestRecord
-from bench.systems import EngineSettings
+from bench.engine_run import EngineSettings
 from bench.workload import Conversation, RequestSpec
 
 GOAL = 0.9

@@ -13,7 +13,7 @@ In-process ``Engine`` on the default model (SmolLM2-135M-Instruct), greedy, EOS 
   at batch 1, >= 0.9 at batch 32).
 * mask: the engine's own counters (``GrammarStats``): mask seconds / masked rows during the
   mixed rounds, in microseconds per constrained row per step.
-* compile: the 2 KB schema of ``bench/grammar_engines.py`` on a fresh ``GrammarCompiler``:
+* compile: the 2 KB schema of ``benchmarks/grammar_engines.py`` on a fresh ``GrammarCompiler``:
   the llguidance tokenizer's preparation (once per process), the first compile (cold), the
   same schema again (warm: a cache hit), and a second schema (cold, tokenizer ready).
 """
@@ -29,8 +29,21 @@ from pathlib import Path
 from typing import Any
 
 from bench.ab import alternate, summary
-from bench.grammar_engines import schema_and_reply
 from bench.report import write_json
+
+
+def schema_and_reply(num_fields: int = 7) -> tuple[str, dict]:
+    """A ~2 KB schema and a reply that satisfies it (properties in schema order)."""
+    item = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 40}, "count": {"type": "integer", "minimum": 0},
+        "kind": {"enum": ["alpha", "beta", "gamma", "delta"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+        "required": ["name", "kind"]}
+    names = [f"field_{i}" for i in range(num_fields)]
+    schema = {"type": "object", "properties": {n: item for n in names}, "required": names}
+    reply = {n: {"name": "abc", "count": 3, "kind": "beta", "tags": ["x"]} for n in names}
+    return json.dumps(schema), reply
+
 
 LIST_SCHEMA = json.dumps({"type": "object", "properties": {"items": {
     "type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 60}}, "required": ["items"]})

@@ -6,7 +6,7 @@ exactly its output length.
 
 * The **engine workload** (:class:`Workload`): a seeded random-weight Llama saved on disk
   (:func:`ensure_model`) and ``num_requests`` random token-id prompts (:func:`make_prompts`,
-  torch's generator). ``bench.throughput``, ``bench.disagg``, the peers section of
+  torch's generator). ``benchmarks.throughput``, ``bench.disagg``, the peers (``benchmarks.peers``) of
   ``splitserve bench``; a small shape of the same model is the tiny profile's model.
 * The **online workloads** (lists of :class:`RequestSpec`, ``random.Random``):
 

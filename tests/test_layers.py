@@ -1,6 +1,7 @@
 """The dependency rule of docs/architecture.md, enforced by import-linter (contracts in
-pyproject.toml): command line -> services -> plumbing -> engine -> kernels, benchmarks on
-top; the engine knows nothing of gRPC; the gateway never imports torch."""
+pyproject.toml): command line -> services -> plumbing -> engine -> kernels, bench above them
+and benchmarks/ on top (nothing imports it; the installed packages never import the tests);
+the engine knows nothing of gRPC; the gateway never imports torch."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,20 +24,26 @@ def test_import_linter_contracts_are_kept() -> None:
 
 
 def _copy_of_the_product(dest: Path) -> None:
-    """The packages and pyproject.toml (the contracts) in ``dest``, generated modules included."""
+    """The packages (benchmarks/ among them) and pyproject.toml (the contracts) in ``dest``,
+    generated modules included."""
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"}
     for name in packages:
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
 
 
-def test_an_import_up_a_layer_breaks_the_check(tmp_path: Path) -> None:
-    """The wrong-way demo: the engine importing the gateway fails the layers contract."""
+@pytest.mark.parametrize("module, imported", [
+    ("engine/block_pool.py", "gateway.routing"),  # the engine importing the gateway
+    ("bench/report.py", "benchmarks.peers"),  # the installed harness importing what is not installed
+])
+def test_an_import_up_a_layer_breaks_the_check(tmp_path: Path, module: str, imported: str) -> None:
+    """The wrong-way demo: an import up a layer fails the check."""
     _copy_of_the_product(tmp_path)
-    module = tmp_path / "engine" / "block_pool.py"
-    module.write_text(module.read_text() + "\nimport gateway.routing  # up a layer, on purpose\n")
+    path = tmp_path / module
+    path.write_text(path.read_text() + f"\nimport {imported}  # up a layer, on purpose\n")
     lint = Path(sys.executable).with_name("lint-imports")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([str(lint), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 1, out.stdout[-2000:]
-    assert "engine.block_pool -> gateway.routing" in out.stdout
+    importer = module.removesuffix(".py").replace("/", ".")
+    assert f"{importer} -> {imported}" in out.stdout

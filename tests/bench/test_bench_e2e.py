@@ -1,7 +1,9 @@
 """``splitserve bench --profile tiny`` end to end, from an installed wheel, outside the source
 tree: real gateway and worker processes, a tiny workload on the seeded random model the
-profile makes, the fast peers (vLLM pointed at a missing interpreter, so it must be skipped
-with a reason). Checks the report's structure, not its speed.
+profile makes. The peers section comes from ``python -m benchmarks.peers --profile tiny`` (the
+checkout's: benchmarks/ is not in the wheel) through ``--peers-json``: the fast peers, vLLM
+pointed at a missing interpreter, so it must be skipped with a reason. Checks the report's
+structure, not its speed.
 
 The wheel is built from exactly what the Dockerfile copies into the image, so a folder the
 image lacks fails here too. It goes into a venv of its own whose third-party dependencies
@@ -76,11 +78,24 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "SPLITSERVE_MODEL")}
 
 
-def run_tiny(venv: Path, run_dir: Path) -> tuple[dict, subprocess.CompletedProcess]:
+def run_peers(run_dir: Path) -> Path:
+    """The peers file, by the checkout's ``benchmarks.peers`` in a folder of its own (its own
+    copy of the seeded tiny model, the same weights as the harness makes)."""
+    out, where = run_dir / "peers.json", run_dir / "peers"
+    where.mkdir()
+    cmd = [sys.executable, "-m", "benchmarks.peers", "--profile", "tiny", "--out", str(out), "--threads", "2",
+           "--systems", "engine,hf_generate,vllm_cpu,disaggregated,colocated",
+           "--vllm-python", str(run_dir / "no-such-venv" / "python")]
+    env = {**clean_env(), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def run_tiny(venv: Path, run_dir: Path, peers: Path) -> tuple[dict, subprocess.CompletedProcess]:
     out = run_dir / "report"
     cmd = [str(venv / "bin" / "splitserve"), "bench", "--profile", "tiny", "--out", str(out), "--no-progress",
-           "--peers", "engine,hf_generate,vllm_cpu,disaggregated,colocated",
-           "--vllm-python", str(run_dir / "no-such-venv" / "python"), "--threads", "2"]
+           "--peers-json", str(peers), "--threads", "2"]
     proc = subprocess.run(cmd, cwd=run_dir, env=clean_env(), capture_output=True, text=True, timeout=600)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
     return report, proc
@@ -92,7 +107,7 @@ def test_dockerfile_copies_every_packaged_folder() -> None:
 
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     copied = set(dockerfile_sources())
-    assert {pattern.rstrip("*") for pattern in include} <= copied
+    assert {pattern.split(".")[0].rstrip("*") for pattern in include} <= copied
 
 
 @pytest.mark.slow
@@ -103,7 +118,7 @@ def test_tiny_profile_from_a_wheel(tmp_path: Path) -> None:
     check_installed(python, venv)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    report, proc = run_tiny(venv, run_dir)
+    report, proc = run_tiny(venv, run_dir, run_peers(run_dir))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (run_dir / ".cache" / "bench-tiny-llama" / "config.json").is_file()  # made by the harness
     assert report["git_commit"] is None and report["splitserve_version"]  # an install, not a checkout
@@ -118,6 +133,11 @@ def check_installed(python: Path, venv: Path) -> None:
                             "print(bench.__file__, engine.__file__, plumbing.rpc.__file__, g.__file__)"],
                            cwd=venv, env=clean_env(), check=True, capture_output=True, text=True).stdout.split()
     assert all(Path(path).is_relative_to(venv) for path in where), where
+    # the product only: neither the comparisons with other systems nor the tests are installed
+    absent = subprocess.run([str(python), "-c", "import importlib.util as u; "
+                             "print(u.find_spec('benchmarks'), u.find_spec('tests'))"],
+                            cwd=venv, env=clean_env(), check=True, capture_output=True, text=True).stdout.split()
+    assert absent == ["None", "None"], absent
     help_text = subprocess.run([str(venv / "bin" / "splitserve"), "bench", "--help"], cwd=venv, env=clean_env(),
                                check=True, capture_output=True, text=True).stdout
     assert "--profile" in help_text
@@ -147,6 +167,7 @@ def check_sections(report: dict) -> None:
         assert run["requests"] and run["kv_timeline"]
     assert set(report["cost"]["figures"]) >= {"usd_per_m_output_tokens", "usd_per_m_input_tokens",
                                                "break_even_output_tokens_per_month"}
+    assert report["peers"]["source"]["command"][:3] == ["python", "-m", "benchmarks.peers"]
     systems = {row["system"]: row for row in report["peers"]["systems"]}
     assert set(systems) == {"engine", "hf_generate", "vllm_cpu", "disaggregated", "colocated"}
     assert systems["vllm_cpu"]["status"] == "skipped" and "not installed" in systems["vllm_cpu"]["reason"]
@@ -167,6 +188,7 @@ def check_markdown_and_plots(out: Path, report: dict) -> None:
     md = (out / "report.md").read_text()
     for heading in ("## Goals", "## Online load", "## Cost", "## Peers", "## Disaggregation vs colocation"):
         assert heading in md
+    assert "Measured by `python -m benchmarks.peers`" in md
     assert set(report["plots"]) == {"latency_cdfs.png", "throughput_goodput_vs_rate.png", "peers.png",
                                     "interference_itl_cdf.png", "kv_utilisation.png"}
     for name in report["plots"]:

@@ -10,7 +10,7 @@ import pytest
 from bench.deployment import engine_flags
 from bench.options import add_bench_flags, build_config
 from bench.profiles import TINY_MODEL
-from bench.systems import EngineSettings
+from bench.engine_run import EngineSettings
 from bench.workload import CACHE_DIR, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,3 +41,15 @@ def test_engine_flags_give_the_deployment_the_engines_limits() -> None:
     settings = EngineSettings.for_workload(Workload(num_requests=4, output_len=8, max_prompt_len=24))
     assert engine_flags(settings) == ("--num-kv-blocks", "8", "--max-num-seqs", "4", "--max-num-batched-tokens",
                                       "2048", "--max-model-len", "32", "--block-size", "16")
+
+
+def test_peers_json_is_read_when_the_flags_are(tmp_path: Path) -> None:
+    """Without --peers-json the run has no peers section to show; a bad file stops the run before
+    anything starts, naming the flag."""
+    assert build_config(parse("--profile", "tiny")).peers is None
+    bad = tmp_path / "peers.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="--peers-json .*peers.json: schema None"):
+        build_config(parse("--profile", "tiny", "--peers-json", str(bad)))
+    with pytest.raises(ValueError, match=r"--sections takes a comma list of \('online', 'interference'\)"):
+        build_config(parse("--profile", "tiny", "--sections", "online,peers"))

@@ -1,4 +1,4 @@
-"""The chaos campaign's small profile (bench/chaos): a 2-prefill + 2-decode cluster under load,
+"""The chaos campaign's small profile (tests/chaos): a 2-prefill + 2-decode cluster under load,
 every fault type once (SIGSTOP of each role; kill -9 of each role at each phase, restarted on
 its address). The zeros: no leaked block, no reply differing from its golden reply, no hang,
 no UNKNOWN/INTERNAL, no crash, every restarted process back in routing within 2 s."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from bench.chaos.profile import SMALL
-from bench.chaos.run import run_chaos
+from tests.chaos.profile import SMALL
+from tests.chaos.run import run_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("chaos")]
 

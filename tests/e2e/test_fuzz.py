@@ -1,4 +1,4 @@
-"""The fuzz campaign's small profile (bench/fuzz): a few hundred hostile requests (structured,
+"""The fuzz campaign's small profile (tests/fuzz): a few hundred hostile requests (structured,
 wire-level, raw bytes, floods) to every RPC of the gateway and both workers, and the HTTP
 family to the OpenAI front. No status a method does not document (never UNKNOWN/INTERNAL), no
 HTTP 5xx, no error body that is not OpenAI's, no hang, no crash, no leaked block."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from bench.fuzz.profile import SMALL
-from bench.fuzz.run import run_fuzz
+from tests.fuzz.profile import SMALL
+from tests.fuzz.run import run_fuzz
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fuzz")]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from bench.chaos.procs import ChaosCluster
+from tests.chaos.procs import ChaosCluster
 from splitserve_api.v1 import common_pb2
 
 log = structlog.get_logger()

@@ -24,7 +24,7 @@ class FuzzProfile:
 
     @property
     def num_cases(self) -> int:
-        from bench.fuzz.methods import GATEWAY, WORKERS
+        from tests.fuzz.methods import GATEWAY, WORKERS
 
         per_rpc = len(GATEWAY) + len(WORKERS) + 1  # + an unknown method
         return (self.generate + per_rpc * (self.structured + self.wire + self.raw) + self.flood_requests

@@ -11,15 +11,15 @@ import pytest
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
-from bench.chaos.faults import PHASES
-from bench.chaos.profile import LARGE, SMALL, ChaosProfile, fault_types
-from bench.chaos.workload import Golden, corpus_token_ids, draw_spec
-from bench.fuzz import cases as fuzz_cases
-from bench.fuzz.methods import ALL, GATEWAY
-from bench.fuzz.profile import LARGE as FUZZ_LARGE
-from bench.fuzz.profile import SMALL as FUZZ_SMALL
-from bench.fuzz.strategies import draw, generate_request
-from bench.fuzz.wire import MUTATIONS, mutate
+from tests.chaos.faults import PHASES
+from tests.chaos.profile import LARGE, SMALL, ChaosProfile, fault_types
+from tests.chaos.workload import Golden, corpus_token_ids, draw_spec
+from tests.fuzz import cases as fuzz_cases
+from tests.fuzz.methods import ALL, GATEWAY
+from tests.fuzz.profile import LARGE as FUZZ_LARGE
+from tests.fuzz.profile import SMALL as FUZZ_SMALL
+from tests.fuzz.strategies import draw, generate_request
+from tests.fuzz.wire import MUTATIONS, mutate
 from engine.models.spec import load_tokenizer
 from splitserve.client import make_request
 from splitserve_api.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2

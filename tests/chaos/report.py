@@ -17,11 +17,11 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
-from bench.chaos.faults import FaultRecord
-from bench.chaos.load import Outcome
-from bench.chaos.procs import Crash
-from bench.chaos.profile import ChaosProfile
-from bench.chaos.workload import Golden
+from tests.chaos.faults import FaultRecord
+from tests.chaos.load import Outcome
+from tests.chaos.procs import Crash
+from tests.chaos.profile import ChaosProfile
+from tests.chaos.workload import Golden
 
 BACK_IN_ROUTING_MAX_S = 2.0
 

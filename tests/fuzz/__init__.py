@@ -1,6 +1,6 @@
 """Fuzz campaign against a local gateway + prefill + decode worker (real processes on 127.0.0.1).
 
-    python -m bench.fuzz --profile large --seed 0
+    python -m tests.fuzz --profile large --seed 0
 
 Hostile requests to every RPC of every service: structured (hypothesis: messages built from
 each request type's descriptor with fields at and past their edges, and gateway requests that

@@ -1,6 +1,6 @@
-"""``python -m bench.fuzz [--profile small|large] [--seed N] [--out FILE] [--log-dir DIR]``
+"""``python -m tests.fuzz [--profile small|large] [--seed N] [--out FILE] [--log-dir DIR]``
 
-Runs the fuzz campaign (``bench/fuzz/__init__.py``), prints its figures, writes them as JSON,
+Runs the fuzz campaign (``tests/fuzz/__init__.py``), prints its figures, writes them as JSON,
 and exits 1 when a check failed.
 """
 
@@ -11,13 +11,13 @@ import json
 import sys
 from pathlib import Path
 
-from bench.fuzz.profile import PROFILES
-from bench.fuzz.run import DEFAULT_MODEL, run_fuzz
+from tests.fuzz.profile import PROFILES
+from tests.fuzz.run import DEFAULT_MODEL, run_fuzz
 from plumbing.logs import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="small")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=DEFAULT_MODEL)

@@ -1,8 +1,8 @@
-"""bench.hot_path: the summary of a run (synthetic results; the benchmark itself is not run)."""
+"""benchmarks.hot_path: the summary of a run (synthetic results; the benchmark itself is not run)."""
 
 from __future__ import annotations
 
-from bench import hot_path
+from benchmarks import hot_path
 
 
 def _run(tok_s: float, ms: float | None = None, ids=((1, 2),)) -> dict:

@@ -1,6 +1,6 @@
 """Chaos campaign against a local 2-prefill + 2-decode cluster (real processes on 127.0.0.1).
 
-    python -m bench.chaos --profile large --seed 0 --log-dir .cache/chaos-logs
+    python -m tests.chaos --profile large --seed 0 --log-dir .cache/chaos-logs
 
 A no-fault phase, then the same seeded workload under faults: SIGSTOP/SIGCONT of each role,
 kill -9 of each role at each phase (before/during prefill, mid-transfer, mid-decode), each

@@ -1,6 +1,6 @@
 """Offline throughput: splitserve's engine vs ``transformers`` on a random-weight Llama (CPU).
 
-    python -m bench.throughput [--num-requests 64] [--output-len 128] [--min-prompt 16]
+    python -m benchmarks.throughput [--num-requests 64] [--output-len 128] [--min-prompt 16]
         [--max-prompt 256] [--seed 0] [--hf-sequential-requests 8]
         [--out bench/results/throughput.json] [--skip-hf-batch]
 
@@ -8,7 +8,7 @@ Runs, one after another in this process and with the same torch thread count:
 our ``Engine.generate`` over all requests, ``transformers`` ``generate`` one request at a
 time over the first ``--hf-sequential-requests`` requests (batch-1 throughput hardly depends
 on the prompt mix, so a sample suffices), and ``transformers`` ``generate_batch`` over all
-requests. Prints a table and writes every figure to a JSON file. See ``bench/README.md``.
+requests. Prints a table and writes every figure to a JSON file. See ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class BenchConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
-    parser = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
@@ -106,7 +106,7 @@ def _progress(message: str) -> None:
 
 def _plan(config: BenchConfig, model_dir: Path, prompts: list[list[int]]) -> list[tuple[str, int, object]]:
     """(name, requests, run) per system; ``run()`` returns its ``SystemRun``."""
-    from bench import systems
+    from benchmarks import systems
 
     wl = config.workload
     settings = systems.EngineSettings.for_workload(wl, config.block_size, config.max_num_batched_tokens)

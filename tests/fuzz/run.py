@@ -17,14 +17,14 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from bench.chaos.procs import ChaosCluster
-from bench.chaos.run import drain
-from bench.fuzz import cases as fuzz_cases
-from bench.fuzz.http_cases import Target, http_cases
-from bench.fuzz.http_send import HttpResult, send_all, summarize_http
-from bench.fuzz.methods import BY_NAME, GATEWAY, Method
-from bench.fuzz.profile import FuzzProfile
-from bench.fuzz.send import HeartbeatProbe, Result, run_all
+from tests.chaos.procs import ChaosCluster
+from tests.chaos.run import drain
+from tests.fuzz import cases as fuzz_cases
+from tests.fuzz.http_cases import Target, http_cases
+from tests.fuzz.http_send import HttpResult, send_all, summarize_http
+from tests.fuzz.methods import BY_NAME, GATEWAY, Method
+from tests.fuzz.profile import FuzzProfile
+from tests.fuzz.send import HeartbeatProbe, Result, run_all
 from splitserve.client import make_request
 
 REPO = Path(__file__).resolve().parents[2]

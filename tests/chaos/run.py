@@ -1,6 +1,6 @@
 """One chaos run: a 2-prefill + 2-decode cluster, a no-fault phase, then the same workload
 under the fault plan; drain, count leaked blocks, stop; compare every OK reply with its golden
-reply; summarize (``bench/chaos/report.py``)."""
+reply; summarize (``tests/chaos/report.py``)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import structlog
 
-from bench.chaos.faults import Fault, FaultRecord, inject
-from bench.chaos.load import Outcome, drive
-from bench.chaos.procs import ChaosCluster
-from bench.chaos.profile import ChaosProfile
-from bench.chaos.report import summarize
-from bench.chaos.workload import RequestSpec, corpus_token_ids, draw_spec, golden_replies
+from tests.chaos.faults import Fault, FaultRecord, inject
+from tests.chaos.load import Outcome, drive
+from tests.chaos.procs import ChaosCluster
+from tests.chaos.profile import ChaosProfile
+from tests.chaos.report import summarize
+from tests.chaos.workload import RequestSpec, corpus_token_ids, draw_spec, golden_replies
 
 log = structlog.get_logger()
 REPO = Path(__file__).resolve().parents[2]

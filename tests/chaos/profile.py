@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bench.chaos.faults import PHASES, Fault
+from tests.chaos.faults import PHASES, Fault
 
 ROLES = ("gateway", "prefill", "decode")
 

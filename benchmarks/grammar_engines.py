@@ -1,6 +1,6 @@
 """xgrammar against llguidance on the default model's tokenizer: what chose the grammar engine.
 
-    python -m bench.grammar_engines [--model PATH]
+    python -m benchmarks.grammar_engines [--model PATH]
 
 For a ~2 KB JSON schema (7 nested objects with strings, integers, enums and arrays): the
 one-off tokenizer preparation, compile time cold (first schema), warm (the same schema again)
@@ -18,20 +18,9 @@ import sys
 import time
 from collections.abc import Callable
 
+from bench.structured_throughput import schema_and_reply
+
 VOCAB_SIZE = 49152
-
-
-def schema_and_reply(num_fields: int = 7) -> tuple[str, dict]:
-    """A ~2 KB schema and a reply that satisfies it (properties in schema order)."""
-    item = {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 40}, "count": {"type": "integer", "minimum": 0},
-        "kind": {"enum": ["alpha", "beta", "gamma", "delta"]},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
-        "required": ["name", "kind"]}
-    names = [f"field_{i}" for i in range(num_fields)]
-    schema = {"type": "object", "properties": {n: item for n in names}, "required": names}
-    reply = {n: {"name": "abc", "count": 3, "kind": "beta", "tags": ["x"]} for n in names}
-    return json.dumps(schema), reply
 
 
 def _timed(fn: Callable[[], object]) -> tuple[object, float]:

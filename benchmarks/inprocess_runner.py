@@ -1,13 +1,13 @@
 """One in-process peer (our Engine, transformers generate or generate_batch) in a fresh process.
 
-    OMP_NUM_THREADS=N python -m bench.inprocess_runner SYSTEM SETUP.json OUT.json
+    OMP_NUM_THREADS=N python -m benchmarks.inprocess_runner SYSTEM SETUP.json OUT.json
 
 Every peer runs in its own process started with ``OMP_NUM_THREADS`` equal to its thread
 count, as the deployments' workers and the vLLM runner are: the OpenMP runtime reads it when
 torch loads, and a process that only calls ``torch.set_num_threads`` later ran the engine
 benchmark about 1.5× slower on two cores. ``SETUP.json`` holds the workload, the engine
 settings, the prompts and the thread count (``peers.write_setup``); ``OUT.json`` gets the
-seconds, the output ids, the error (if any) and the details of the ``bench.systems`` runner.
+seconds, the output ids, the error (if any) and the details of the ``benchmarks.systems`` runner.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 def run(system: str, setup: dict) -> dict:
     import torch
 
-    from bench import systems
+    from benchmarks import systems
     from bench.workload import ModelShape, Workload
 
     torch.set_num_threads(setup["threads"])

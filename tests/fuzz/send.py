@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bench.fuzz.methods import Method
+from tests.fuzz.methods import Method
 from splitserve_api.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 CALL_DEADLINE_S = 10.0

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from bench.fuzz.http_cases import EIGHT_MB, KINDS, NEAR_CAP, HttpCase, Target, http_cases
-from bench.fuzz.http_send import judge, send_all, summarize_http
-from bench.fuzz.profile import LARGE, SMALL
+from tests.fuzz.http_cases import EIGHT_MB, KINDS, NEAR_CAP, HttpCase, Target, http_cases
+from tests.fuzz.http_send import judge, send_all, summarize_http
+from tests.fuzz.profile import LARGE, SMALL
 from tests.helpers.http_front import running_front
 
 TARGET = Target("target", 1000)

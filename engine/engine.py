@@ -25,6 +25,7 @@ from engine.models.spec import eos_token_ids, load_tokenizer
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.proposers import Proposer, make_proposer
 from engine.outputs import CompletionOutput, EngineLoad, RequestOutput
+from engine.prompt_check import check_prompt, check_prompt_len
 from engine.request import Request
 from engine.sampler import make_generator, skip_sampled_draws
 from engine.sampling_params import SamplingParams
@@ -83,8 +84,6 @@ class Engine(StructuredOutput):
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; raises ``ValueError`` naming ``prompt`` when invalid."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             token_ids = list(self.tokenizer.encode(prompt))
@@ -94,19 +93,12 @@ class Engine(StructuredOutput):
         return token_ids
 
     def _validate_prompt(self, token_ids: list[int], field: str = "prompt") -> None:
-        if not token_ids:
-            raise ValueError(f"{field} must not be empty")
-        vocab = self.spec.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"{field} token ids must be integers in [0, {vocab})")
+        """The prompt rule (``engine/prompt_check.py``), then the KV pool's size."""
+        check_prompt(token_ids, self.spec.vocab_size, self.max_model_len, field)
         self._validate_prompt_len(len(token_ids), field)
 
     def _validate_prompt_len(self, num_tokens: int, field: str) -> None:
-        if num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"{field} is {num_tokens} tokens; max_model_len={self.max_model_len} "
-                "leaves no room for output"
-            )
+        check_prompt_len(num_tokens, self.max_model_len, field)
         needed = self.kv.blocks_needed(num_tokens + 1)
         if needed > self.kv.num_blocks:
             raise ValueError(f"{field} needs {needed} KV blocks but the pool has {self.kv.num_blocks}")

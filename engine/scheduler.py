@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.stopping import LENGTH, STOP, finish_reason
+
+_FINISHED_BY = {STOP: RequestStatus.FINISHED_STOPPED, LENGTH: RequestStatus.FINISHED_LENGTH}
 
 
 @dataclass
@@ -287,15 +290,9 @@ class Scheduler:
         return None
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        reason = finish_reason(request.sampling_params, token, request.num_output_tokens, request.num_tokens,
+                               self.max_model_len, request.eos_token_ids)
+        return None if reason is None else _FINISHED_BY[reason]
 
     def check_integrity(self) -> None:
         """Raise if a block or a request is accounted for wrongly: each known request sits in

@@ -1,13 +1,20 @@
 """One routing attempt of a request: the decode leg and, for a remote prefill, the prefill leg::
 
     pick decode worker (gateway/routing.py) ── Decode(stream) ──▶ Reservation{num_cached_blocks}  (remote prefill)
-    pick prefill worker (gateway/routing.py) ── Prefill ──▶ (its answer once the pages are sent)
-    Decode stream ──▶ FirstToken (as soon as the transfer is announced) ──▶ TokenChunk … DecodeFinished
+    pick prefill worker (gateway/routing.py) ── Prefill ──▶ its timings, once its last page is sent
+    Decode stream ──▶ FirstToken (when the transfer is announced) ──▶ TokenChunk … DecodeFinished
 
-The first token reaches the client from whichever leg tells it first (``Legs``), once; until
-the prefill call answered, a decode stream that fails (but for a lost connection) blames the
-prefill worker, and a prefill call that fails fails the attempt at once, before or after the
-first token (the service then retries, or migrates with the first token counted as sent).
+A straight pipeline: every token, the first included, comes from the decode stream and goes
+to the client as it comes, each once. The prefill call's answer says two things only: whether
+it failed and what it cost (its timings). While it runs, each read of the decode stream also
+watches it (``Legs.next``), so a prefill that fails fails the attempt at once, before or after
+the first token (the service then retries, or migrates with the tokens sent counted), and a
+decode stream that fails (but for a lost connection) blames the prefill worker. The final
+chunk waits for the answer (``Legs.prefill_timings``): the prefill answers once its last page
+is sent, which the decode side needs before it can admit, so this wait is short; the call's
+deadline (the client's) bounds it, and a prefill that fails then changes nothing, every token
+being out. The attempt that sent the request's first token owns the request's timings
+(``GatewayRequest.timings``): its queue time and its prefill's answer; a migration keeps them.
 
 Prompts shorter than ``local_prefill_max_tokens`` (with prefix routing: whose part the
 decode worker does not hold is that short, or that worker holds most of the prompt), or any
@@ -33,6 +40,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+import structlog
 
 from gateway.registry import Registry
 from gateway.workers import WorkerEntry
@@ -41,7 +49,8 @@ from gateway.routing import LEG_LOCAL, LEG_PREFILL
 from plumbing.rpc import INCARNATION_KEY
 from splitserve_api.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
 
-PREFILL_ANSWER_GRACE_S = 2.0  # how long a finished stream waits for the prefill's answer (its timings)
+log = structlog.get_logger()
+
 MIN_CLIENT_TIME_S = 0.05  # a worker's DEADLINE_EXCEEDED with less client time left than this is the client's
 
 
@@ -122,17 +131,15 @@ class PrefillLeg:
 
     task: asyncio.Task[prefill_pb2.PrefillResponse]
     worker: WorkerEntry
-    settle: Callable[[prefill_pb2.PrefillResponse], None]  # its answer's bookkeeping, once
+    queue_us: int  # from the request's start to this call
+    observe: Callable[[prefill_pb2.PrefillResponse], None]  # its answer's routing observation
     release: Callable[[], None]  # gives back the routed prompt tokens, once
-    first_sent: bool = False  # the first token went to the client (from either leg)
-    settled: bool = False  # the call answered OK
+    timings: common_pb2.PhaseTimings | None = None  # its answer's, once it answered OK
 
 
 class Legs:
-    """One attempt's decode stream and, while it runs, its prefill call: ``next`` waits on
-    both, so either failing fails the attempt at once. The first token arrives from whichever
-    leg tells first (the decode stream's ``first_token``, sent when the transfer is
-    announced, or the prefill's answer) and goes to the client once."""
+    """One attempt's decode stream and, while it runs, its prefill call: ``next`` reads the
+    stream and watches the call, so either failing fails the attempt at once."""
 
     def __init__(self, req: GatewayRequest, call: grpc.aio.UnaryStreamCall, decode: WorkerEntry) -> None:
         self.req = req
@@ -140,36 +147,50 @@ class Legs:
         self.decode = decode
         self.prefill: PrefillLeg | None = None
         self._read: asyncio.Future[decode_pb2.DecodeResponse | None] | None = None
+        self._timings_due = False  # this attempt sent the request's first token; its prefill's timings are to come
 
     async def next(self) -> decode_pb2.DecodeResponse | None:
-        """The decode stream's next message (None at its end), or the first token from the
-        prefill's answer when that came first. LegFailed names the worker to blame."""
-        if self._read is None:
-            self._read = asyncio.ensure_future(_read(self.call, self.decode, self.req))
+        """The decode stream's next message (None at its end). LegFailed names the worker to
+        blame: the prefill worker when its call failed, or when the stream failed (but for a
+        lost connection) while the call still ran."""
+        read = self._read or asyncio.ensure_future(_read(self.call, self.decode, self.req))
+        self._read = None
         leg = self.prefill
-        if leg is not None and not leg.settled:
-            await asyncio.wait({leg.task, self._read}, return_when=asyncio.FIRST_COMPLETED)
-            first: decode_pb2.FirstToken | None = None
+        if leg is not None and leg.timings is None:
+            self._read = read  # close() discards it if the wait below raises
+            await asyncio.wait({leg.task, read}, return_when=asyncio.FIRST_COMPLETED)
             if leg.task.done():
-                result = self._settle(leg)  # LegFailed(prefill worker) if the call failed
-                if not leg.first_sent:
-                    first = decode_pb2.FirstToken(token_id=result.first_token_id)
-                    if result.HasField("first_logprob"):
-                        first.logprob.CopyFrom(result.first_logprob)
-            if self._read.done() and self._read.exception() is not None and not leg.settled:
-                exc = self._read.exception()
-                self._read = None
-                if isinstance(exc, LegFailed) and not exc.connection_lost:
-                    # The decode worker is alive but gave up on the pages (lease, failed
-                    # receive): the prefill side is the one to avoid on the retry.
-                    raise LegFailed(leg.worker, exc.code, exc.details, leg.worker.incarnation)
-                raise exc  # type: ignore[misc]
-            if first is not None:
-                return decode_pb2.DecodeResponse(first_token=first)  # the read stays pending
-        read, self._read = self._read, None
+                self._settle(leg)  # LegFailed(prefill worker) if the call failed
+            elif isinstance(read.exception(), LegFailed) and not read.exception().connection_lost:
+                # The decode worker is alive but gave up on the pages (lease, failed
+                # receive): the prefill side is the one to avoid on the retry.
+                exc = read.exception()
+                raise LegFailed(leg.worker, exc.code, exc.details, leg.worker.incarnation)
+            self._read = None
         return await read
 
-    def _settle(self, leg: PrefillLeg) -> prefill_pb2.PrefillResponse:
+    def start_timings(self) -> None:
+        """The decode stream told this request's first token: the request's timings start
+        here (queue time; a remote prefill's answer fills in the rest)."""
+        leg = self.prefill
+        self.req.timings = common_pb2.PhaseTimings(queue_us=leg.queue_us if leg is not None else 0)
+        self._timings_due = leg is not None
+        self._take_timings()
+
+    async def prefill_timings(self) -> None:
+        """Before the final chunk: the prefill's answer, when it has not come yet (bounded by
+        the call's deadline, the client's). A prefill that fails now changes nothing, every
+        token being out: the timings then lack its part."""
+        leg = self.prefill
+        if leg is None or leg.timings is not None:
+            return
+        await asyncio.wait({leg.task})
+        try:
+            self._settle(leg)
+        except LegFailed as exc:
+            log.info("request.prefill_failed_after_finish", worker_id=leg.worker.worker_id, code=exc.code.name)
+
+    def _settle(self, leg: PrefillLeg) -> None:
         leg.release()
         try:
             result = leg.task.result()
@@ -177,23 +198,16 @@ class Legs:
             raise LegFailed.of(leg.worker, exc, self.req) from None
         except asyncio.CancelledError:
             raise LegFailed(leg.worker, grpc.StatusCode.CANCELLED, "prefill call cancelled") from None
-        leg.settled = True
-        leg.settle(result)
-        return result
+        leg.timings = result.timings
+        leg.observe(result)
+        self._take_timings()
 
-    async def await_prefill(self) -> None:
-        """Before the final chunk: the prefill's answer (its timings, the routing observation)
-        when it has not come yet, waiting at most ``PREFILL_ANSWER_GRACE_S``. The decode
-        stream can finish first, since the prefill answers once its last message is sent; a
-        prefill that fails now changes nothing, every token being out."""
+    def _take_timings(self) -> None:
         leg = self.prefill
-        if leg is None or leg.settled:
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(leg.task), PREFILL_ANSWER_GRACE_S)
-            self._settle(leg)
-        except (asyncio.TimeoutError, LegFailed, grpc.aio.AioRpcError):
-            pass
+        if self._timings_due and leg is not None and leg.timings is not None and self.req.timings is not None:
+            self.req.timings.CopyFrom(leg.timings)
+            self.req.timings.queue_us = leg.queue_us
+            self._timings_due = False
 
     def close(self) -> None:
         if self._read is not None:
@@ -238,54 +252,43 @@ async def _start_prefill(req: GatewayRequest, prompt: list[int], registry: Regis
             released = True
             prefill.num_routed_prefill_tokens -= num_uncached
 
-    def settle(result: prefill_pb2.PrefillResponse) -> None:
+    def observe(result: prefill_pb2.PrefillResponse) -> None:
         registry.router.observe(LEG_PREFILL, route, result.timings.num_cached_prompt_tokens)
-        if req.timings is None or req.timings_pending:  # the first token's path (a migration keeps the original's)
-            req.timings = common_pb2.PhaseTimings()
-            req.timings.CopyFrom(result.timings)
-            req.timings.queue_us = queue_us
-            req.timings_pending = False
 
-    return PrefillLeg(task, prefill, settle, release)
+    return PrefillLeg(task, prefill, queue_us, observe, release)
 
 
 async def _decode_stream(
     req: GatewayRequest, legs: Legs,
     on_finished: Callable[[common_pb2.PhaseTimings], None] | None = None,
 ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-    """Token chunks (the first token of a remote prefill included) until the decode leg
-    finishes (or a stop string matched); ``on_finished`` sees the decode worker's timings
-    when it reports the finish."""
+    """Token chunks (a remote prefill's first token first) until the decode leg finishes (or
+    a stop string matched); ``on_finished`` sees the decode worker's timings when it reports
+    the finish. The final chunk waits for the prefill's timings."""
     while True:
         msg = await legs.next()
         if msg is None:
             raise LegFailed(legs.decode, grpc.StatusCode.UNAVAILABLE, "decode stream ended without a finish",
                             legs.decode.incarnation)
         kind = msg.WhichOneof("event")
-        if kind == "first_token":
-            leg = legs.prefill
-            if leg is None or leg.first_sent:
-                continue  # the other leg told it first: it reached the client once
-            leg.first_sent = True
-            if req.timings is None:  # filled in from the prefill's answer (a migration keeps the original's)
-                req.timings = common_pb2.PhaseTimings(queue_us=int((time.monotonic() - req.start) * 1e6))
-                req.timings_pending = True
-            first = msg.first_token
-            yield req.emit([first.token_id], [first.logprob] if first.HasField("logprob") else [])
-        elif kind == "tokens":
-            if req.timings is None:  # local prefill: the first chunk ends the prefill
-                req.timings = common_pb2.PhaseTimings()
-            yield req.emit(list(msg.tokens.token_ids), list(msg.tokens.logprobs))
+        if kind in ("first_token", "tokens"):
+            if req.timings is None:  # this request's first token (a migration keeps the original's timings)
+                legs.start_timings()
+            if kind == "first_token":
+                first = msg.first_token
+                yield req.emit([first.token_id], [first.logprob] if first.HasField("logprob") else [])
+            else:
+                yield req.emit(list(msg.tokens.token_ids), list(msg.tokens.logprobs))
         elif kind == "finished":
             if on_finished is not None:
                 on_finished(msg.finished.timings)
-            await legs.await_prefill()
+            await legs.prefill_timings()
             yield req.final(msg.finished.finish_reason, msg.finished.timings)
             return
         else:
             continue
         if req.text.stopped:
-            await legs.await_prefill()
+            await legs.prefill_timings()
             yield req.final(common_pb2.FINISH_REASON_STOP, None)
             return
 

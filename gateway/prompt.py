@@ -10,7 +10,8 @@ token tokens (a token never stands for more bytes than that), so the cap never r
 prompt that would fit ``max_model_len``; it only bounds what one request can make the
 tokenizer chew on (a 3.9 MB prompt is refused in microseconds instead of costing seconds).
 A chat may hold at most ``max_model_len`` messages (each renders to one token at least).
-A token-id prompt is checked for length before its ids are scanned.
+A token-id prompt is checked for length before its ids are scanned (the prompt rule,
+``engine/prompt_check.py``, is applied whole by ``validation.finish``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.chat import ChatTemplate
+from engine.prompt_check import check_prompt_len
 from splitserve_api.v1 import gateway_pb2
 
 MAX_BYTES_PER_TOKEN = 128
@@ -55,33 +57,27 @@ def check_prompt_size(request: gateway_pb2.GenerateRequest, max_model_len: int, 
         if num_bytes > max_prompt_bytes:
             raise ValueError(f"prompt.chat.messages: {num_bytes} bytes of content; at most "
                              f"{max_prompt_bytes} (max_model_len={max_model_len} tokens) are accepted")
-    else:
-        num_ids = len(request.token_ids.ids)
-        if not num_ids:
-            raise ValueError("prompt.token_ids must not be empty")
-        if num_ids >= max_model_len:
-            raise ValueError(f"prompt is {num_ids} tokens; max_model_len={max_model_len} "
-                             "leaves no room for output")
+    else:  # its length before its ids are scanned (the rest of the rule: validation.finish)
+        check_prompt_len(len(request.token_ids.ids), max_model_len, "prompt.token_ids")
 
 
 def prompt_token_ids(request: gateway_pb2.GenerateRequest, tokenizer: Any | None,
-                     chat: ChatTemplate | None, vocab_size: int) -> list[int]:
-    """The prompt's token ids (tokenizer thread: this is where the time goes)."""
+                     chat: ChatTemplate | None) -> list[int]:
+    """The prompt's token ids (tokenizer thread: this is where the time goes), not yet
+    checked: ``validation.finish`` applies the prompt rule (``engine/prompt_check.py``)."""
     which = request.WhichOneof("prompt")
     if which == "chat":
         return _chat_prompt(request, chat)
     if which == "text":
         if tokenizer is None:
             raise ValueError("prompt.text: this model has no tokenizer; send prompt.token_ids")
-        prompt = list(tokenizer.encode(request.text))
-        if not prompt:
-            raise ValueError("prompt.text tokenizes to no tokens")
-        return prompt
-    prompt = list(request.token_ids.ids)
-    bad = next((t for t in prompt if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt.token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
-    return prompt
+        return list(tokenizer.encode(request.text))
+    return list(request.token_ids.ids)
+
+
+def prompt_field(request: gateway_pb2.GenerateRequest) -> str:
+    """The field a prompt's rejection names: ``prompt.text``, ``prompt.token_ids`` or ``prompt.chat``."""
+    return f"prompt.{request.WhichOneof('prompt')}"
 
 
 def _chat_prompt(request: gateway_pb2.GenerateRequest, chat: ChatTemplate | None) -> list[int]:

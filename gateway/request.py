@@ -20,8 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.stopping import finish_reason
 from gateway.text import TextStream
-from gateway.validation import ValidatedRequest
+from gateway.validation import Limits, ValidatedRequest
+from plumbing.convert import FINISH_REASONS
 from plumbing.metrics import GatewayMetrics
 from splitserve_api.v1 import common_pb2, gateway_pb2
 
@@ -44,8 +46,7 @@ class GatewayRequest:
     block_hashes: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)  # by (block size, prompt length): routing
     last_emit: float = 0.0
     first_token_at: float = 0.0
-    timings: common_pb2.PhaseTimings | None = None
-    timings_pending: bool = False  # the first token came before the prefill's answer and its timings
+    timings: common_pb2.PhaseTimings | None = None  # the path to the first token (set by the attempt that sent it)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -69,14 +70,14 @@ class GatewayRequest:
         if self.validated.num_resumes:
             self.metrics.resumes.inc()
 
-    def finished_on_resume(self, eos_token_ids: tuple[int, ...]) -> int | None:
+    def finished_on_resume(self, limits: Limits) -> int | None:
         """The finish reason of a resumed request whose tokens already end it (the client's
         stream broke before the final chunk); None when it must go on."""
         if not self.num_resumed_tokens:
             return None
         if self.text.stopped:
             return common_pb2.FINISH_REASON_STOP
-        return self.finished_by_sent(eos_token_ids)
+        return self.finished_by_sent(limits)
 
     @property
     def attempt_prompt(self) -> list[int]:
@@ -92,18 +93,15 @@ class GatewayRequest:
         stopping.min_new_tokens = max(0, stopping.min_new_tokens - self.num_tokens)
         return stopping
 
-    def finished_by_sent(self, eos_token_ids: tuple[int, ...]) -> int | None:
+    def finished_by_sent(self, limits: Limits) -> int | None:
         """The finish reason the tokens already sent imply (the worker died before saying
-        so), as the engine decides it; None when the request must go on."""
-        params = self.validated.params
+        so), by the engine's own rule (``engine/stopping.py``); None when the request must go on."""
+        if not self.token_ids:
+            return None
         n = self.num_tokens
-        if n and n >= params.min_tokens:
-            last = self.token_ids[-1]
-            if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
-                return common_pb2.FINISH_REASON_STOP
-        if n >= params.max_tokens:
-            return common_pb2.FINISH_REASON_LENGTH
-        return None
+        reason = finish_reason(self.validated.params, self.token_ids[-1], n, len(self.prompt_token_ids) + n,
+                               limits.max_model_len, limits.eos_token_ids)
+        return None if reason is None else FINISH_REASONS[reason]
 
     def emit(self, token_ids: list[int], logprobs: list[common_pb2.TokenLogprob]) -> gateway_pb2.GenerateResponse:
         """The chunk that sends ``token_ids`` to the client (text as far as it is decided)."""

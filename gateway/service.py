@@ -145,7 +145,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         precheck(request, self.limits)
         loop = asyncio.get_running_loop()
         prompt = await loop.run_in_executor(
-            self._tokenizer_thread, prompt_token_ids, request, self.tokenizer, self.chat, self.limits.vocab_size)
+            self._tokenizer_thread, prompt_token_ids, request, self.tokenizer, self.chat)
         validated = finish(request, prompt, self.limits, self.chat)
         if validated.params.constraint is not None:
             await loop.run_in_executor(self._tokenizer_thread, check_constraint_compiles, validated.params, self.grammars)
@@ -167,7 +167,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     async def _with_retries(self, req: GatewayRequest) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         last: LegFailed | None = None
-        resumed_finish = req.finished_on_resume(self.limits.eos_token_ids)
+        resumed_finish = req.finished_on_resume(self.limits)
         if resumed_finish is not None:  # its stream broke after the last token, before the final chunk
             yield req.final(resumed_finish, None)
             return
@@ -195,7 +195,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 log.warning("request.leg_failed", attempt=attempt, worker_id=exc.worker.worker_id,
                             code=exc.code.name, details=exc.details, num_sent=req.num_tokens)
                 if req.streamed:
-                    reason = req.finished_by_sent(self.limits.eos_token_ids)
+                    reason = req.finished_by_sent(self.limits)
                     if reason is not None:  # the worker died after its last token: done
                         yield req.final(reason, None)
                         return

@@ -14,7 +14,9 @@ from google.protobuf import unknown_fields
 from engine.chat import ChatTemplate
 from engine.grammar import GrammarCompiler
 from engine.sampling_params import SamplingParams
-from gateway.prompt import MAX_BYTES_PER_TOKEN, check_prompt_size, prompt_token_ids
+from engine.stopping import finish_reason
+from engine.prompt_check import check_prompt
+from gateway.prompt import MAX_BYTES_PER_TOKEN, check_prompt_size, prompt_field, prompt_token_ids
 from plumbing.convert import constraint_to_proto, sampling_params_from_proto, sampling_params_to_proto
 from splitserve_api.v1 import common_pb2, gateway_pb2
 
@@ -89,16 +91,8 @@ def precheck(request: gateway_pb2.GenerateRequest, limits: Limits) -> None:
 def finish(request: gateway_pb2.GenerateRequest, prompt: list[int], limits: Limits,
            chat: ChatTemplate | None = None) -> ValidatedRequest:
     """The checks that need the prompt's token ids; what the workers get."""
-    if len(prompt) >= limits.max_model_len:
-        raise ValueError(
-            f"prompt is {len(prompt)} tokens; max_model_len={limits.max_model_len} leaves no room for output"
-        )
-    budget = limits.max_model_len - len(prompt)
-    if request.stopping.max_new_tokens > budget:
-        raise ValueError(
-            f"stopping.max_new_tokens={request.stopping.max_new_tokens} exceeds what max_model_len="
-            f"{limits.max_model_len} leaves after a {len(prompt)}-token prompt ({budget})"
-        )
+    check_prompt(prompt, limits.vocab_size, limits.max_model_len, prompt_field(request),
+                 max_new_tokens=request.stopping.max_new_tokens, max_new_tokens_field="stopping.max_new_tokens")
     params = sampling_params_from_proto(request.sampling, request.stopping, request.constraint)
     if request.WhichOneof("prompt") == "chat" and chat is not None and not params.ignore_eos:
         end_ids = tuple(t for t in chat.end_of_turn_ids if t not in params.stop_token_ids)
@@ -106,23 +100,25 @@ def finish(request: gateway_pb2.GenerateRequest, prompt: list[int], limits: Limi
     sampling, stopping = sampling_params_to_proto(params)
     resumed = request.HasField("resume")
     return ValidatedRequest(prompt, params, tuple(request.stopping.stop_strings), sampling, stopping,
-                            resume_token_ids=check_resume(request.resume, params, limits) if resumed else (),
+                            resume_token_ids=check_resume(request.resume, params, limits, len(prompt)) if resumed else (),
                             num_resumes=request.resume.num_previous_resumes + 1 if resumed else 0,
                             constraint=constraint_to_proto(params.constraint))
 
 
-def check_resume(resume: gateway_pb2.Resume, params: SamplingParams, limits: Limits) -> tuple[int, ...]:
+def check_resume(resume: gateway_pb2.Resume, params: SamplingParams, limits: Limits,
+                 num_prompt_tokens: int) -> tuple[int, ...]:
     """``resume.token_ids`` if an unbroken stream of this request could have sent them:
-    at most max_new_tokens, each in the vocabulary, no stop token before the last one (the
-    engine ends the request at a stop token once min_new_tokens are reached)."""
+    at most max_new_tokens, each in the vocabulary, none before the last ending the request
+    (the engine's stop rule, ``engine/stopping.py``: a stop token once min_new_tokens are
+    reached)."""
     ids = tuple(resume.token_ids)
     if len(ids) > params.max_tokens:
         raise ValueError(f"resume.token_ids: {len(ids)} tokens, more than stopping.max_new_tokens={params.max_tokens}")
     bad = next((i for i, t in enumerate(ids) if t >= limits.vocab_size), None)
     if bad is not None:
         raise ValueError(f"resume.token_ids[{bad}]: {ids[bad]} is outside the vocabulary (size {limits.vocab_size})")
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(limits.eos_token_ids))
-    early = next((i for i, t in enumerate(ids[:-1]) if t in stops and i + 1 >= params.min_tokens), None)
+    early = next((i for i, t in enumerate(ids[:-1]) if finish_reason(
+        params, t, i + 1, num_prompt_tokens + i + 1, limits.max_model_len, limits.eos_token_ids) is not None), None)
     if early is not None:
         raise ValueError(f"resume.token_ids[{early}]: {ids[early]} is a stop token, which ends the request, "
                          "yet tokens follow it")
@@ -146,4 +142,4 @@ def validate(request: gateway_pb2.GenerateRequest, tokenizer: Any, limits: Limit
     ``chat``: the model's chat template, for ``prompt.chat`` (None: the model has none).
     The service runs the same three steps with the middle one on its tokenizer thread."""
     precheck(request, limits)
-    return finish(request, prompt_token_ids(request, tokenizer, chat, limits.vocab_size), limits, chat)
+    return finish(request, prompt_token_ids(request, tokenizer, chat), limits, chat)

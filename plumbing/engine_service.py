@@ -14,6 +14,7 @@ import structlog
 from engine.engine import Engine
 from engine.engine_thread import EngineStopped, EngineThread
 from engine.outputs import EngineLoad, RequestOutput
+from engine.prompt_check import check_prompt
 from plumbing import rpc
 from plumbing.config import WorkerConfig
 from plumbing.convert import kv_layout_to_proto
@@ -77,6 +78,15 @@ class EngineServicer:
                 self.registration.state = common_pb2.WORKER_STATE_DRAINING
 
         self.loop.call_soon_threadsafe(fail_all)
+
+    def check_prompt(self, prompt: list[int], num_prior_output_tokens: int) -> None:
+        """At the worker's edge: the prompt rule (``engine/prompt_check.py``) on
+        ``prompt_token_ids``, and fewer tokens generated elsewhere at its end
+        (``num_prior_output_tokens``, a migration) than it has."""
+        check_prompt(prompt, self.engine.spec.vocab_size, self.engine.max_model_len, "prompt_token_ids")
+        if num_prior_output_tokens >= len(prompt):
+            raise ValueError(f"num_prior_output_tokens={num_prior_output_tokens} must be below the prompt's "
+                             f"length {len(prompt)}")
 
     # -- one stream per request id at a time ------------------------------------------
     async def open_stream(self, rid: str, what: str, wait_s: float = 2.0) -> asyncio.Queue[Any]:

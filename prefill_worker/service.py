@@ -2,7 +2,8 @@
 
 ``Prefill``: the prompt joins the engine's batch (chunked prefill, prefix cache) with
 ``max_tokens=1`` and ``hold_kv``; once the first token is sampled the transfer is announced
-to the decode worker (which streams the first token to the gateway at once) and, without
+to the decode worker (which streams the first token to the gateway at once: its only route
+there; this call answers with the timings alone) and, without
 waiting for the reply, the held pages the decode worker lacks are packed chunk by chunk into
 reused staging buffers (off the engine thread) and sent on one of the pair's lanes
 (``channels.py``) while later chunks pack; once the last chunk is sent the held blocks are
@@ -62,8 +63,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         if not request.target.address:
             raise ValueError("target.address must name the decode worker")
         num_prior = request.num_prior_output_tokens
-        if num_prior >= len(prompt):
-            raise ValueError(f"num_prior_output_tokens={num_prior} must be below the prompt's length {len(prompt)}")
+        self.check_prompt(prompt, num_prior)
         if not request.target.incarnation:
             raise ValueError("target.incarnation must be the decode worker's (from its Reservation)")
         if len(request.target.transfer_secret) != TRANSFER_SECRET_BYTES:
@@ -78,10 +78,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
                 first_logprob = convert.token_logprob(out.token_ids[0], out.logprobs[0], tops)
             ship = asyncio.ensure_future(self._ship(request, out.token_ids[0], first_logprob, timings))
             await asyncio.shield(ship)
-            response = prefill_pb2.PrefillResponse(first_token_id=out.token_ids[0], timings=timings)
-            if first_logprob is not None:
-                response.first_logprob.CopyFrom(first_logprob)
-            return response
+            return prefill_pb2.PrefillResponse(timings=timings)  # the first token went on the Decode stream
         except BaseException:
             self.metrics.transfers.labels(role=self.role_name, outcome="failed").inc()
             raise
@@ -138,7 +135,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             request_id=request.request_id, num_blocks=len(ids), num_cached_blocks=target.num_cached_blocks,
             chunk_blocks=chunk_blocks_for(layout.bytes_per_block, self.config.kv_chunk_bytes),
             num_bytes=num_bytes, num_prompt_tokens=len(request.prompt_token_ids),
-            first_token_id=first_token_id, timings=timings,
+            first_token_id=first_token_id,
         )
         if first_logprob is not None:
             header.first_logprob.CopyFrom(first_logprob)

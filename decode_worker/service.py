@@ -60,9 +60,6 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
                              self.engine_thread.call, self.incarnation, config.transfer_timeout_s,
                              on_announced=self._first_token)
 
-    def blocks_in_transfer(self) -> int:
-        return self.reservations.num_blocks
-
     def _first_token(self, reservation: Reservation) -> None:
         """Event loop, on an accepted announce: the first token to the request's stream, ahead
         of the pages (its tokens from the engine can only follow the admission)."""

@@ -84,8 +84,8 @@ def test_a_full_pool_counts_revived_hits(ckpt_dir: Callable[..., Path]) -> None:
     b.generate([prompt], GREEDY)
     assert b.handoff.reserve_kv("x", 64, PREFIX[:64]) is not None  # 3 hits (the last block is fresh) + 1
     assert b.handoff.reserved_num_cached_blocks("x") == 3
-    assert b.handoff.reserve_kv("y", 80) is None  # 5 fresh blocks: only 4 are free
-    assert b.handoff.reserve_kv("z", 64) is not None  # 4 fresh blocks (evicts the 4th cached one)
+    assert b.handoff.reserve_kv("y", 80, [7] * 80) is None  # 5 fresh blocks: only 4 are free
+    assert b.handoff.reserve_kv("z", 64, [7] * 64) is not None  # 4 fresh blocks (evicts the 4th cached one)
     b.check_integrity()
     assert b.handoff.cancel_reservation("x") and b.handoff.cancel_reservation("z")
     b.check_integrity()

@@ -156,7 +156,7 @@ class ReservationTable:
         ends), once; ``error`` ends the request's Decode stream."""
         if self.pending.pop(reservation.transfer_id, None) is not reservation:
             return
-        reservation.release(reason, lambda: engine.handoff.cancel_reservation(reservation.request_id))
+        reservation.release(reason, lambda: engine.handoff.free_reserved_kv(reservation.request_id))
         self._on_failed()
         log.info("kv.reservation_freed", request_id=reservation.request_id, reason=reservation.error)
         if error is not None:
@@ -207,7 +207,7 @@ class ReservationTable:
 def _start_local(engine: Engine, waiter: _Waiter, block_ids: list[int]) -> bool:
     """A local prefill's room was found: hand the blocks back and queue the prompt in the same
     engine-thread call, so nothing else can take them first."""
-    engine.handoff.cancel_reservation(waiter.request_id)
+    engine.handoff.free_reserved_kv(waiter.request_id)
     engine.add_request(waiter.prompt_token_ids, waiter.params, request_id=waiter.request_id,
                        num_prior_draws=waiter.num_prior_draws)
     return True

@@ -57,7 +57,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
             config.max_reservations_per_request,
         )
         self.inbox = KVInbox(engine, self.reservations, config.engine.device, self.metrics,
-                             self.engine_thread.call, self.incarnation, config.transfer_timeout_s,
+                             self.engine_thread.call, self.incarnation, config.kv_channel_timeout_s,
                              on_announced=self._first_token)
 
     def _first_token(self, reservation: Reservation) -> None:

@@ -1,8 +1,9 @@
 """The in-process engine: ``add_request`` / ``step`` / ``abort``, and ``generate`` on top.
 
-A serving loop calls ``step()`` repeatedly; each step schedules one ragged batch, runs one
-forward, samples, and returns the requests that advanced. Not thread-safe: one loop owns
-an ``Engine``; other threads hand it work through a queue.
+One thread calls ``step()`` repeatedly (in a worker, the engine thread,
+``engine/engine_thread.py``); each step schedules one ragged batch, runs one forward,
+samples, and returns the requests that advanced. Not thread-safe: one thread owns an
+``Engine``; other threads hand it work through a queue.
 
 The KV hand-off between a prefill and a decode worker (hold, pack, release; reserve,
 unpack, admit) is the part it holds as ``handoff`` (``engine/kv_handoff.py``).

@@ -10,7 +10,7 @@ tensors; nothing here touches a network)::
     release_kv(rid)                                admit_prefilled(rid, p, first token, params)
                                                    (rid: WAITING in ``prefilled``, then RUNNING)
                                                    step() ... streams tokens 2, 3, ...
-    abort(rid) frees held blocks                   abort(rid) / cancel_reservation(rid)
+    abort(rid) frees held blocks                   abort(rid) / free_reserved_kv(rid)
 
 ``KVHandoff`` is a part the engine holds (``engine.handoff``), called on the engine's owner
 thread like the engine itself (``pack_kv`` and ``unpack_kv`` aside, as they say). It reaches
@@ -96,7 +96,7 @@ class KVHandoff:
         """Make ``request_id`` a request WAITING_FOR_REMOTE_KVS that owns
         ``ceil(num_prompt_tokens / block_size)`` blocks for its prompt ``prompt_token_ids``
         (``num_prompt_tokens`` of them), whose K/V will arrive (``unpack_kv``); then
-        ``admit_prefilled`` or ``cancel_reservation`` (or ``abort``). The leading blocks this
+        ``admit_prefilled`` or ``free_reserved_kv`` (or ``abort``). The leading blocks this
         worker's prefix cache already holds are taken as hits
         (``reserved_num_cached_blocks``; at least the last block is always fresh), and only
         the rest need pages. Its sampling params come at admission. Returns the block ids, or None when the pool cannot supply them
@@ -132,7 +132,7 @@ class KVHandoff:
         are prefix-cache hits (their pages need not travel). ValueError if there is none."""
         request = self._waiting(request_id)
         if request is None:
-            raise ValueError(f"request_id {request_id!r} has no reservation")
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV")
         return request.num_cached_tokens // self._host.kv.block_size
 
     def unpack_kv(self, request_id: str, packed: torch.Tensor, first_page: int = 0) -> None:
@@ -149,12 +149,12 @@ class KVHandoff:
         that freeing and admission take): its block list never changes, and only this call
         writes its fresh blocks."""
         if self._waiting(request_id) is None:
-            raise ValueError(f"request_id {request_id!r} has no reservation to unpack into")
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV: no blocks to unpack into")
         fresh = self._host.kv.fresh_block_ids(request_id)
         num_pages = packed.shape[2] if isinstance(packed, torch.Tensor) and packed.dim() == 6 else -1
         if not is_int(first_page) or first_page < 0 or num_pages < 0 or first_page + num_pages > len(fresh):
             raise ValueError(f"packed pages [{first_page}, {first_page} + {num_pages}) must lie within the "
-                             f"reservation's {len(fresh)} fresh blocks")
+                             f"request's {len(fresh)} reserved fresh blocks")
         self._host.runner.unpack_kv(fresh[first_page:first_page + num_pages], packed)
 
     def admit_prefilled(
@@ -185,7 +185,7 @@ class KVHandoff:
           plus ``num_prior_draws`` for a migrated request (see ``add_request``).
         * Prefix caching: the received full prompt blocks are published in this worker's
           prefix cache (a block whose hash is already published stays private, unshared);
-          the reservation's hits count as cached prompt tokens (``num_cached_tokens``).
+          the reserved prefix-cache hits count as cached prompt tokens (``num_cached_tokens``).
         * With ``params.logprobs`` set, ``first_logprob`` (and, for top-n, the prefill
           worker's ``first_top_logprobs``) are required: the request's logprob history
           starts with the first token's.
@@ -224,11 +224,11 @@ class KVHandoff:
         as a list, checked to be its prompt."""
         request = self._waiting(request_id)
         if request is None:
-            raise ValueError(f"request_id {request_id!r} has no reservation (reserve_kv first)")
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV (reserve_kv first)")
         token_ids = list(prompt_token_ids)
         self._host._validate_prompt(token_ids, "prompt_token_ids")
         if len(token_ids) != request.num_prompt_tokens:
-            raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens; the reservation is for "
+            raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens; the blocks are reserved for "
                              f"{request.num_prompt_tokens}")
         if token_ids != request.prompt_token_ids:
             raise ValueError("prompt_token_ids differ from the reserved prompt")
@@ -248,7 +248,7 @@ class KVHandoff:
             raise ValueError("first_top_logprobs (token id -> logprob) is required when params.logprobs > 0")
         return SampledToken(token_id, float(logprob), dict(top_logprobs))
 
-    def cancel_reservation(self, request_id: str) -> bool:
+    def free_reserved_kv(self, request_id: str) -> bool:
         """Free the blocks of the request WAITING_FOR_REMOTE_KVS under ``request_id`` (once;
         it ends FINISHED_ABORTED). False if no request under the id waits for remote KV."""
         return self._waiting(request_id) is not None and self._host.scheduler.abort(request_id)

@@ -414,7 +414,7 @@ def test_reservation_lifecycle(ckpt_dir: Callable[..., Path]) -> None:
     assert "s" not in b.scheduler.requests and b.num_free_blocks == 3
     with pytest.raises(ValueError, match="request_id"):
         b.handoff.reserve_kv("r", 10, [7] * 10)
-    assert b.handoff.cancel_reservation("r") and not b.handoff.cancel_reservation("r")
+    assert b.handoff.free_reserved_kv("r") and not b.handoff.free_reserved_kv("r")
     assert b.handoff.reserve_kv("s", 60, [7] * 60) is not None  # after the free, it fits
     with pytest.raises(ValueError, match="request_id"):
         b.handoff.unpack_kv(running, torch.zeros(b.kv_layout.packed_shape(3)))  # not a reservation
@@ -425,7 +425,7 @@ def test_reservation_lifecycle(ckpt_dir: Callable[..., Path]) -> None:
     assert len(b.kv.pool.cached) == (37 + 19) // 16
     assert b.handoff.reserve_kv("all", 255, [7] * 255) is not None and b.num_free_blocks == 0  # 16 blocks
     assert not b.kv.pool.cached
-    assert b.handoff.cancel_reservation("all")
+    assert b.handoff.free_reserved_kv("all")
     assert_clean(b)
 
 
@@ -531,6 +531,6 @@ def test_bad_input_names_the_field(ckpt_dir: Callable[..., Path]) -> None:
         b.check_integrity()
     with pytest.raises(ValueError, match="request_id"):
         a.handoff.held_block_ids("x")  # released by prefill()
-    assert b.handoff.cancel_reservation("x")
+    assert b.handoff.free_reserved_kv("x")
     assert b.abort("local")
     assert_clean(a, b, small)

@@ -57,10 +57,10 @@ def test_a_reserved_request_waits_for_remote_kvs_until_admission_runs_it(ckpt_di
     assert_clean(a, b)
 
 
-@pytest.mark.parametrize("end", ["cancel_reservation", "abort"])
+@pytest.mark.parametrize("end", ["free_reserved_kv", "abort"])
 def test_freeing_a_waiting_request_gives_back_every_block(ckpt_dir: Callable[..., Path], end: str) -> None:
     """Expiry, a cancelled stream, a failed receive and a refused admission all free through
-    ``cancel_reservation`` (``abort`` from a stream's end): hits go back to the cache
+    ``free_reserved_kv`` (``abort`` from a stream's end): hits go back to the cache
     unreferenced, fresh blocks to the free queue, once."""
     path = ckpt_dir("llama")
     b = make_engine(path, num_kv_blocks=16)
@@ -71,9 +71,9 @@ def test_freeing_a_waiting_request_gives_back_every_block(ckpt_dir: Callable[...
     b.handoff.unpack_kv("r", torch.ones(b.kv_layout.packed_shape(1)))  # a page landed, then it failed
     request = b.scheduler.requests["r"]
     assert b.load().num_blocks_in_transfer == 5 and b.num_free_blocks == 11
-    assert b.handoff.cancel_reservation("r") if end == "cancel_reservation" else b.abort("r")
+    assert b.handoff.free_reserved_kv("r") if end == "free_reserved_kv" else b.abort("r")
     assert request.status is RequestStatus.FINISHED_ABORTED and "r" not in b.scheduler.requests
-    assert not b.handoff.cancel_reservation("r") and not b.abort("r")  # once
+    assert not b.handoff.free_reserved_kv("r") and not b.abort("r")  # once
     assert b.num_free_blocks == 16 and b.load().num_blocks_in_transfer == 0
     assert len(b.kv.pool.cached) == 4  # the hits stay published, unreferenced
     with pytest.raises(ValueError, match="request_id"):
@@ -92,7 +92,7 @@ def test_a_refused_admission_leaves_the_request_waiting_and_its_blocks_reserved(
     with pytest.raises(ValueError, match="prompt_token_ids differ"):
         b.handoff.admit_prefilled("r", [4] + prompt[1:], transfer.first_token_id, GREEDY)  # not the reserved prompt
     assert _status(b, "r") is W and b.kv.block_ids("r") == ids and b.load().num_blocks_in_transfer == 3
-    assert b.handoff.cancel_reservation("r")
+    assert b.handoff.free_reserved_kv("r")
     assert_clean(a, b)
 
 
@@ -105,6 +105,6 @@ def test_two_waiting_requests_sharing_hits_count_each_block_once(ckpt_dir: Calla
     assert [_status(b, rid) for rid in ("x", "y")] == [W, W]
     assert b.load().num_blocks_in_transfer == 6 and b.num_free_blocks == 10
     b.check_integrity()
-    assert b.handoff.cancel_reservation("x") and b.load().num_blocks_in_transfer == 5
-    assert b.handoff.cancel_reservation("y") and b.load().num_blocks_in_transfer == 0
+    assert b.handoff.free_reserved_kv("x") and b.load().num_blocks_in_transfer == 5
+    assert b.handoff.free_reserved_kv("y") and b.load().num_blocks_in_transfer == 0
     assert_clean(b)

@@ -8,7 +8,7 @@ only record of a KV hand-off here, with the only state machine::
 * RESERVED: the blocks belong to the engine's request under the same id, whose status is
   WAITING_FOR_REMOTE_KVS (the engine's whole view of a hand-off, until ADMITTED); the
   transfer id and secret went to the gateway; no pages were announced.
-* RECEIVING: the prefill worker's announce was accepted on one channel; a receive is posted
+* RECEIVING: the prefill worker's announce was accepted on one KV channel; a receive is posted
   per message, and each landing message's pages are written into the blocks.
 * RECEIVED: every page is written; the admission is queued on the engine thread. A lease
   no longer ends it (the pages are here).

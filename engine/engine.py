@@ -175,8 +175,8 @@ class Engine(StructuredOutput):
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now, including blocks held (``hold_kv``) or
-        reserved (``reserve_kv``: a request WAITING_FOR_REMOTE_KVS) under the id; no output for it comes out of ``step()``
-        afterwards. False if the id is not (or no longer) known."""
+        reserved (``reserve_kv``: a request WAITING_FOR_REMOTE_KVS) under the id; no output
+        for it comes out of ``step()`` afterwards. False if the id is not (or no longer) known."""
         self._detok.pop(request_id, None)
         pending = self._drop_pending_grammar(request_id)
         num_early = len(self._early_outputs)

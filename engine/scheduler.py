@@ -15,9 +15,8 @@ Disaggregated serving adds two ways in and out (block tables in ``KVCacheManager
 * ``reserve`` takes the blocks of a request whose prompt K/V another worker computes; it
   waits, in no queue, as WAITING_FOR_REMOTE_KVS;
 * ``add_prefilled`` admits it once its prompt K/V were received and its first token is
-  sampled. It waits in ``prefilled`` and joins the
-  running batch after the running requests and ahead of waiting ones (under
-  ``max_num_seqs``), costing one token.
+  sampled. It waits in ``prefilled`` and joins the running batch after the running
+  requests and ahead of waiting ones (under ``max_num_seqs``), costing one token.
 
 The scheduler mutates request state and the KV cache manager; the model runner only reads
 the ``SchedulerOutput``.

@@ -106,7 +106,7 @@ class WorkerConfig:
     kv_channel_timeout_s: float = 30.0  # one KV channel operation (one message), and one KV channel join
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
     max_reservations_per_request: int = 8  # decode: reservations one request id may take (leases are not renewable without end)
-    kv_chunk_bytes: int = 8 << 20  # prefill: KV pages per message on the channel, in bytes (pipelined)
+    kv_chunk_bytes: int = 8 << 20  # prefill: KV pages per message on a KV channel, in bytes (pipelined)
     kv_channels_per_peer: int = 4  # prefill: lanes (channels) per decode worker, one transfer each at a time
     # Fault injection for the failure tests: the prefill worker sleeps this long between
     # announcing a transfer and posting its send (0: off).

@@ -101,7 +101,10 @@ class HandOff(RuleBasedStateMachine):
     def _open(self, lane: int) -> None:
         channel = FakeChannel()
         self.all_channels.append(channel)
-        self.lanes[lane] = self.inbox.channels.add(channel, self.prefill_incarnation, lane)
+        try:
+            self.lanes[lane] = self.inbox.channels.add(channel, self.prefill_incarnation, lane)
+        except ServiceError as exc:  # every channel carries a transfer: the prefill worker tries again later
+            assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
 
     def _flush(self) -> None:
         self.loop.run_until_complete(asyncio.sleep(0))

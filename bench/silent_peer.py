@@ -142,11 +142,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--attackers", type=int, default=3, help="attacker incarnations")
     parser.add_argument("--joins-each", type=int, default=2, help="joins each keeps stalled")
-    parser.add_argument("--transfer-timeout-s", type=float, default=10.0)
+    parser.add_argument("--kv-channel-timeout-s", type=float, default=10.0)
     parser.add_argument("--out", default="", help="write the JSON summary here too")
     args = parser.parse_args()
     requests = synthetic(args.requests, 7, 1000, LengthDist(40, 120), LengthDist(4, 4))
-    flags = ["--transfer-timeout-s", str(args.transfer_timeout_s)]
+    flags = ["--kv-channel-timeout-s", str(args.kv_channel_timeout_s)]
     rounds = []
     with Cluster(str(MODEL), gateway_flags=["--local-prefill-max-tokens", "0"], worker_flags=flags) as cluster:
         for i in range(2 * args.rounds):

@@ -6,7 +6,7 @@ the NCCL bootstrap root inside an ncclUniqueId), so the handshake is guarded:
 * the address must be the caller's own: the IP its RPC came from (``context.peer()``), or,
   for a caller on loopback, an address of this machine;
 * each join has its own deadline: the handshake's ``timeout_ms`` (the prefill worker's
-  transfer timeout), capped at this worker's ``--transfer-timeout-s``; the join ends by then
+  KV channel timeout), capped at this worker's ``--kv-channel-timeout-s``; the join ends by then
   even when the rendezvous accepts and never answers (``plumbing.transport.deadline``);
 * joins run on daemon threads of their own (``plumbing.blocking``), per peer (the caller's
   address and prefill incarnation): one peer has at most ``MAX_JOINS_PER_PEER`` in progress,

@@ -51,7 +51,7 @@ class KVInbox:
 
     def __init__(self, engine: Engine, table: ReservationTable, device: str, metrics: WorkerMetrics,
                  on_engine_thread: Callable[[Callable[[Engine], None]], object], incarnation: int,
-                 max_timeout_s: float, on_announced: Callable[[Reservation], None] = lambda record: None) -> None:
+                 max_timeout_s: float, on_announced: Callable[[Reservation], None] = lambda reservation: None) -> None:
         self._engine = engine  # unpack_kv only (thread-safe under the reservation's lock)
         self._table = table
         self._device = device

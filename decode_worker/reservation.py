@@ -5,15 +5,17 @@ only record of a KV hand-off here, with the only state machine::
         │                      │                                │
         └──────────────────────┴──────── fail(reason) ──────────┴──▶ FAILED
 
-* RESERVED: the blocks are the engine's reservation under the request id; the id and secret
-  went to the gateway; no pages were announced.
-* RECEIVING: the prefill worker's announce was accepted on one channel; a receive is posted
+* RESERVED: the blocks belong to the engine's request under the same id, whose status is
+  WAITING_FOR_REMOTE_KVS (the engine's whole view of a hand-off, until ADMITTED); the
+  transfer id and secret went to the gateway; no pages were announced.
+* RECEIVING: the prefill worker's announce was accepted on one KV channel; a receive is posted
   per message, and each landing message's pages are written into the blocks.
 * RECEIVED: every page is written; the admission is queued on the engine thread. A lease
   no longer ends it (the pages are here).
-* ADMITTED: the engine runs the sequence (the request's own status from here on).
-* FAILED: the pages will not be used; the engine thread frees the blocks once
-  (``ReservationTable``). ``error`` holds the first reason.
+* ADMITTED: the engine's request left WAITING_FOR_REMOTE_KVS (WAITING to join the batch,
+  then RUNNING); its status is the only state from here on.
+* FAILED: the pages will not be used; the engine thread frees the blocks once (the engine's
+  request ends FINISHED_ABORTED; ``ReservationTable``). ``error`` holds the first reason.
 
 Every transition is a method that holds ``lock``, the lock page writes hold too, so a lease
 expiring on the engine thread, an announce on the event loop and a page landing on the

@@ -8,6 +8,7 @@ phase changes only through its methods, under its lock (``reservation.py``)::
                                           serve_waiters() after each engine iteration;
                                           past its wait: None (RESOURCE_EXHAUSTED)
     remote: granted ──▶ pending[transfer_id] ──RECEIVED, admit()──▶ the engine's running batch
+            (the engine: a request WAITING_FOR_REMOTE_KVS ──admit_prefilled──▶ WAITING ──▶ RUNNING)
                              │ lease expires / stream ends / receive fails ──▶ release(): blocks freed
     local:  granted ──▶ the blocks go back and the engine queues the prompt, in the same call
 
@@ -68,7 +69,6 @@ class ReservationTable:
         self._on_failed = on_failed  # counts a failed transfer
         self.pending: dict[int, Reservation] = {}  # transfer_id -> live reservation (blocks held)
         self._waiters: deque[_Waiter] = deque()
-        self.num_blocks = 0  # blocks in pending reservations (read by heartbeats: an int)
 
     # -- taking blocks ---------------------------------------------------------------------
     def request(self, engine: Engine, rid: str, prompt: list[int], params: SamplingParams,
@@ -127,7 +127,6 @@ class ReservationTable:
         while len(self._num_granted) > MAX_COUNTED_IDS:
             self._num_granted.popitem(last=False)
         self.pending[reservation.transfer_id] = reservation
-        self.num_blocks += len(block_ids)
         return reservation
 
     def lookup(self, transfer_id: int, secret: bytes) -> Reservation | None:
@@ -157,8 +156,7 @@ class ReservationTable:
         ends), once; ``error`` ends the request's Decode stream."""
         if self.pending.pop(reservation.transfer_id, None) is not reservation:
             return
-        reservation.release(reason, lambda: engine.handoff.cancel_reservation(reservation.request_id))
-        self.num_blocks -= len(reservation.block_ids)
+        reservation.release(reason, lambda: engine.handoff.free_reserved_kv(reservation.request_id))
         self._on_failed()
         log.info("kv.reservation_freed", request_id=reservation.request_id, reason=reservation.error)
         if error is not None:
@@ -189,7 +187,6 @@ class ReservationTable:
                          ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             return
         del self.pending[reservation.transfer_id]
-        self.num_blocks -= len(reservation.block_ids)
         log.debug("kv.admitted", request_id=reservation.request_id, num_blocks=len(reservation.block_ids))
 
     def _settle(self, future: asyncio.Future, value: object) -> None:
@@ -210,7 +207,7 @@ class ReservationTable:
 def _start_local(engine: Engine, waiter: _Waiter, block_ids: list[int]) -> bool:
     """A local prefill's room was found: hand the blocks back and queue the prompt in the same
     engine-thread call, so nothing else can take them first."""
-    engine.handoff.cancel_reservation(waiter.request_id)
+    engine.handoff.free_reserved_kv(waiter.request_id)
     engine.add_request(waiter.prompt_token_ids, waiter.params, request_id=waiter.request_id,
                        num_prior_draws=waiter.num_prior_draws)
     return True

@@ -57,11 +57,8 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
             config.max_reservations_per_request,
         )
         self.inbox = KVInbox(engine, self.reservations, config.engine.device, self.metrics,
-                             self.engine_thread.call, self.incarnation, config.transfer_timeout_s,
+                             self.engine_thread.call, self.incarnation, config.kv_channel_timeout_s,
                              on_announced=self._first_token)
-
-    def blocks_in_transfer(self) -> int:
-        return self.reservations.num_blocks
 
     def _first_token(self, reservation: Reservation) -> None:
         """Event loop, on an accepted announce: the first token to the request's stream, ahead

@@ -1,8 +1,9 @@
 """The in-process engine: ``add_request`` / ``step`` / ``abort``, and ``generate`` on top.
 
-A serving loop calls ``step()`` repeatedly; each step schedules one ragged batch, runs one
-forward, samples, and returns the requests that advanced. Not thread-safe: one loop owns
-an ``Engine``; other threads hand it work through a queue.
+One thread calls ``step()`` repeatedly (in a worker, the engine thread,
+``engine/engine_thread.py``); each step schedules one ragged batch, runs one forward,
+samples, and returns the requests that advanced. Not thread-safe: one thread owns an
+``Engine``; other threads hand it work through a queue.
 
 The KV hand-off between a prefill and a decode worker (hold, pack, release; reserve,
 unpack, admit) is the part it holds as ``handoff`` (``engine/kv_handoff.py``).
@@ -114,9 +115,14 @@ class Engine(StructuredOutput):
         num_skipped_draws: int = 0,
     ) -> Request:
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, hold_kv=hold_kv)
+        self._set_params(request, params, num_skipped_draws)
+        return request
+
+    def _set_params(self, request: Request, params: SamplingParams, num_skipped_draws: int) -> None:
+        """Give ``request`` its sampling params and generator, past ``num_skipped_draws`` draws."""
+        request.sampling_params = params
         request.generator = make_generator(params, self.runner.device)
         skip_sampled_draws(params, request.generator, self.spec.vocab_size, num_skipped_draws)
-        return request
 
     @staticmethod
     def _validate_prior_draws(num_prior_draws: object, prompt_len: int) -> int:
@@ -161,8 +167,8 @@ class Engine(StructuredOutput):
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now, including blocks held (``hold_kv``) or
-        reserved (``reserve_kv``) under the id; no output for it comes out of ``step()``
-        afterwards. False if the id is not (or no longer) known."""
+        reserved (``reserve_kv``: a request WAITING_FOR_REMOTE_KVS) under the id; no output
+        for it comes out of ``step()`` afterwards. False if the id is not (or no longer) known."""
         self._detok.pop(request_id, None)
         pending = self._drop_pending_grammar(request_id)
         num_early = len(self._early_outputs)
@@ -312,7 +318,7 @@ class Engine(StructuredOutput):
 
     def check_integrity(self) -> None:
         """Raise if any KV block is leaked, double-freed or held by a finished request."""
-        self.scheduler.check_integrity()
+        self.scheduler.check_integrity(parked=self._pending_grammars.keys())
 
     @property
     def num_free_blocks(self) -> int:
@@ -338,4 +344,13 @@ class Engine(StructuredOutput):
             num_queued_prefill_tokens=queued, spec=spec,
             num_cached_prompt_tokens=self.stats.num_cached_prompt_tokens,
             num_received_prompt_tokens=self.stats.num_received_prompt_tokens,
+            num_blocks_in_transfer=self._num_blocks_in_transfer(),
         )
+
+    def _num_blocks_in_transfer(self) -> int:
+        """Blocks held for a transfer out (prefill) or owned by requests WAITING_FOR_REMOTE_KVS
+        (decode): counted once each, a shared prefix hit included."""
+        block_ids = {b.block_id for blocks in self.kv.held.values() for b in blocks}
+        for request in self.scheduler.waiting_for_remote_kvs():
+            block_ids.update(self.kv.block_ids(request.request_id))
+        return len(block_ids)

@@ -11,54 +11,38 @@ Layout of one request's blocks (``block_size`` = 4 in this picture)::
 fit. Blocks are published to the prefix cache only after the step that computed them
 (``cache_computed_blocks``), so a prefix hit never points at K/V that is not written yet.
 
-Block tables outside the scheduler (KV transfer between a prefill and a decode worker)::
+Block tables for KV transfer between a prefill and a decode worker::
 
     prefill worker:  running table --finish (hold_kv)--> held --release--> free
-    decode worker:   free --reserve--> reserved --adopt_reservation--> running table
+    decode worker:   free --reserve--> a WAITING_FOR_REMOTE_KVS request's table --admission--> running
                                           |
-                                          +--cancel_reservation--> free
+                                          +--free (failed hand-off, abort)--> free
 
-A reservation may start with prefix-cache hits (``reserve(..., prompt_token_ids)``)::
+A reserved table may start with prefix-cache hits (``reserve(request)``)::
 
-    reservation.blocks:  [ hit ][ hit ] | [ fresh ][ fresh ][ fresh (partial) ]
-                         num_cached_blocks   the pages that travel (private, written once)
+    blocks:  [ hit ][ hit ] | [ fresh ][ fresh ][ fresh (partial) ]
+             num_published    the pages that travel (private, written once: ``fresh_block_ids``)
 
-Each table has exactly one holder: ``req_to_blocks`` (requests in the scheduler),
-``held`` (finished prefill requests whose prompt pages await transfer) or ``reserved``
-(blocks taken for an incoming sequence whose pages are being received; only the blocks:
-the hand-off's state is the decode worker's ``Reservation``). Held and reserved
-blocks are referenced, so they are never handed out or evicted; reserved blocks are private
-(fresh, unpublished) until adopted.
+Each table has exactly one holder: ``req_to_blocks`` (a request in the scheduler, whatever
+its status: a reserved one is the table of a request WAITING_FOR_REMOTE_KVS; the hand-off's
+own state is the decode worker's ``Reservation``) or ``held`` (finished prefill requests
+whose prompt pages await transfer). Held blocks are referenced, so they are never handed
+out or evicted; a reserved table's fresh blocks are private (unpublished) until admission.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from engine.block_hash import hash_block_tokens, max_cached_blocks, prompt_block_hashes
 from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
 
 
-@dataclass
-class ReservedBlocks:
-    """Blocks taken for a sequence whose prompt K/V another worker computes."""
-
-    blocks: list[KVBlock]
-    num_prompt_tokens: int
-    num_cached_blocks: int = 0  # leading blocks that are prefix-cache hits (shared, never written)
-
-    @property
-    def fresh_blocks(self) -> list[KVBlock]:
-        """The blocks the incoming pages are written into (private, unpublished)."""
-        return self.blocks[self.num_cached_blocks:]
-
-
 class KVCacheManager:
-    """Owns the mapping request -> blocks (running, held and reserved tables). Not
-    thread-safe: the engine thread drives it."""
+    """Owns the mapping request -> blocks (request and held tables). Not thread-safe: the
+    engine thread drives it (``fresh_block_ids`` aside, as it says)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
@@ -66,7 +50,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}
         self.held: dict[str, list[KVBlock]] = {}
-        self.reserved: dict[str, ReservedBlocks] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -203,75 +186,57 @@ class KVCacheManager:
         self.pool.free(list(reversed(blocks)))
         return True
 
-    # -- reservations (decode worker) -------------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int,
-                prompt_token_ids: Sequence[int] | None = None) -> list[int] | None:
-        """Take blocks for ``num_prompt_tokens`` tokens: with ``prompt_token_ids``, the longest
-        prefix-cache hit first (``prompt_block_hashes``: at least the last block is always
-        fresh), then fresh blocks from the free queue (which may evict unreferenced cached
-        ones, never a block a table holds). None, and no change, if there are not enough now.
-        The caller checks that ``request_id`` is new."""
+    # -- reserved tables (decode worker) ----------------------------------------------
+    def reserve(self, request: Request) -> list[int] | None:
+        """Take the blocks of ``request``'s prompt as its table, for K/V another worker
+        computes: the longest prefix-cache hit first (``prompt_block_hashes``: at least the
+        last block is always fresh), then fresh blocks from the free queue (which may evict
+        unreferenced cached ones, never a block a table holds). The hits count as computed
+        and cached tokens of the request. None, and no change, if there are not enough now.
+        The caller checks that the request id is new."""
         hits: list[KVBlock] = []
-        if prompt_token_ids is not None and self.pool.enable_prefix_caching:
-            for block_hash in prompt_block_hashes(prompt_token_ids, self.block_size):
+        if self.pool.enable_prefix_caching:
+            for block_hash in prompt_block_hashes(request.prompt_token_ids, self.block_size):
                 block = self.pool.lookup(block_hash)
                 if block is None:
                     break
                 hits.append(block)
-        num_needed = self.blocks_needed(num_prompt_tokens) - len(hits)
+        num_needed = self.blocks_needed(request.num_prompt_tokens) - len(hits)
         num_revived = sum(1 for block in hits if block.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_revived:
             return None
         self.pool.touch(hits)
         blocks = hits + self.pool.allocate(num_needed)
-        self.reserved[request_id] = ReservedBlocks(blocks, num_prompt_tokens, len(hits))
+        self.req_to_blocks[request.request_id] = blocks
+        self._num_published[request.request_id] = len(hits)
+        request.num_computed_tokens = request.num_cached_tokens = len(hits) * self.block_size
         return [block.block_id for block in blocks]
 
-    def reserved_num_tokens(self, request_id: str) -> int | None:
-        reservation = self.reserved.get(request_id)
-        return reservation.num_prompt_tokens if reservation is not None else None
-
-    def reserved_block_ids(self) -> set[int]:
-        """The fresh (private) blocks of every reservation."""
-        return {block.block_id for r in self.reserved.values() for block in r.fresh_blocks}
-
-    def cancel_reservation(self, request_id: str) -> bool:
-        """Free a reservation's blocks. False if there is no reservation under the id."""
-        reservation = self.reserved.pop(request_id, None)
-        if reservation is None:
-            return False
-        self.pool.free(list(reversed(reservation.blocks)))
-        return True
-
-    def adopt_reservation(self, request: Request) -> None:
-        """Make the reservation under the request's id its block table. The caller has set
-        ``num_computed_tokens`` to the prompt length (the received K/V are in the blocks);
-        ``cache_computed_blocks`` then publishes the full ones."""
-        reservation = self.reserved.pop(request.request_id)
-        self.req_to_blocks[request.request_id] = reservation.blocks
-        self._num_published[request.request_id] = reservation.num_cached_blocks
+    def fresh_block_ids(self, request_id: str) -> list[int]:
+        """The blocks after a reserved table's prefix-cache hits, where its pages go. Safe
+        from another thread while the table is neither freed nor scheduled meanwhile (its
+        block list does not change until then)."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        return [block.block_id for block in blocks[self._num_published.get(request_id, 0):]]
 
     def holds_transfer(self, request_id: str) -> bool:
-        """True if blocks are held or reserved under ``request_id``."""
-        return request_id in self.held or request_id in self.reserved
+        """True if blocks are held under ``request_id`` for a transfer (prefill side)."""
+        return request_id in self.held
 
-    def check_integrity(self) -> None:
-        """Every block's ref_cnt equals the number of tables holding it (running, held,
-        reserved); the rest are free. A reservation's fresh blocks are private and
-        unpublished; its leading hits are published."""
+    def check_integrity(self, reserved_ids: Sequence[str] = ()) -> None:
+        """Every block's ref_cnt equals the number of tables holding it (request and held
+        tables); the rest are free. The tables of ``reserved_ids`` (requests waiting for
+        remote KV) start with published hits and end with private, unpublished blocks."""
         holders: Counter[int] = Counter()
         for blocks in [*self.req_to_blocks.values(), *self.held.values()]:
             holders.update(block.block_id for block in blocks)
-        overlap = holders.keys() & self.reserved_block_ids()
-        if overlap:
-            raise RuntimeError(f"reserved blocks also held by a table: {sorted(overlap)}")
-        ids = [*self.req_to_blocks, *self.held, *self.reserved]
-        if len(set(ids)) != len(ids):
+        if self.req_to_blocks.keys() & self.held.keys():
             raise RuntimeError("a request id owns more than one kind of block table")
-        for reservation in self.reserved.values():
-            holders.update(block.block_id for block in reservation.blocks)
-            if any(block.block_hash is not None for block in reservation.fresh_blocks):
-                raise RuntimeError("a fresh reserved block is published in the prefix cache")
-            if any(block.block_hash is None for block in reservation.blocks[:reservation.num_cached_blocks]):
-                raise RuntimeError("a reserved prefix hit is not published")
+        for request_id in reserved_ids:
+            blocks = self.req_to_blocks.get(request_id, [])
+            num_hits = self._num_published.get(request_id, 0)
+            if any(block.block_hash is not None or holders[block.block_id] != 1 for block in blocks[num_hits:]):
+                raise RuntimeError(f"{request_id!r}: a fresh reserved block is published or shared")
+            if any(block.block_hash is None for block in blocks[:num_hits]):
+                raise RuntimeError(f"{request_id!r}: a reserved prefix hit is not published")
         self.pool.check_integrity(dict(holders))

@@ -4,12 +4,13 @@ tensors; nothing here touches a network)::
     prefill worker                                 decode worker
     add_request(p, params.for_prefill(),           reserve_kv(rid, len(p), p) -> block ids | None
                 rid, hold_kv=True)                 reserved_num_cached_blocks(rid) -> k (prefix hits)
-    step() ... until rid finishes (first token)
+    step() ... until rid finishes (first token)    (rid: WAITING_FOR_REMOTE_KVS)
     held_block_ids(rid)[k:] -> ids;
     pack_kv(ids), or in chunks   ---------------> unpack_kv(rid, packed, first_page)
     release_kv(rid)                                admit_prefilled(rid, p, first token, params)
+                                                   (rid: WAITING in ``prefilled``, then RUNNING)
                                                    step() ... streams tokens 2, 3, ...
-    abort(rid) frees held blocks                   abort(rid) / cancel_reservation(rid)
+    abort(rid) frees held blocks                   abort(rid) / free_reserved_kv(rid)
 
 ``KVHandoff`` is a part the engine holds (``engine.handoff``), called on the engine's owner
 thread like the engine itself (``pack_kv`` and ``unpack_kv`` aside, as they say). It reaches
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.model_runner import SampledToken
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -52,6 +53,7 @@ class HandoffHost(Protocol):
     def _validate_prior_draws(self, num_prior_draws: object, prompt_len: int) -> int: ...
     def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams, hold_kv: bool = False,
                      num_skipped_draws: int = 0) -> Request: ...
+    def _set_params(self, request: Request, params: SamplingParams, num_skipped_draws: int) -> None: ...
     def _record_logprobs(self, request: Request, token: SampledToken) -> None: ...
     def _make_output(self, request: Request, num_before: int) -> Any: ...
     def _defer_until_compiled(self, request: Request, num_prior: int, admit: Any) -> bool: ...
@@ -90,13 +92,14 @@ class KVHandoff:
 
     # -- KV transfer: decode worker --------------------------------------------------------
     def reserve_kv(self, request_id: str, num_prompt_tokens: int,
-                   prompt_token_ids: Sequence[int] | None = None) -> list[int] | None:
-        """Take ``ceil(num_prompt_tokens / block_size)`` blocks for a sequence whose prompt
-        K/V will arrive (``unpack_kv``); then ``admit_prefilled`` or ``cancel_reservation``.
-        With ``prompt_token_ids`` (``num_prompt_tokens`` of them) the leading blocks this
+                   prompt_token_ids: Sequence[int]) -> list[int] | None:
+        """Make ``request_id`` a request WAITING_FOR_REMOTE_KVS that owns
+        ``ceil(num_prompt_tokens / block_size)`` blocks for its prompt ``prompt_token_ids``
+        (``num_prompt_tokens`` of them), whose K/V will arrive (``unpack_kv``); then
+        ``admit_prefilled`` or ``free_reserved_kv`` (or ``abort``). The leading blocks this
         worker's prefix cache already holds are taken as hits
         (``reserved_num_cached_blocks``; at least the last block is always fresh), and only
-        the rest need pages. Returns the block ids, or None when the pool cannot supply them
+        the rest need pages. Its sampling params come at admission. Returns the block ids, or None when the pool cannot supply them
         now (retry after blocks are freed). Reserving takes free blocks, evicting only
         unreferenced cached ones: it never preempts and never touches a block a request
         holds. Reserved blocks count as used in ``num_free_blocks``.
@@ -108,46 +111,51 @@ class KVHandoff:
         if not is_int(num_prompt_tokens) or num_prompt_tokens < 1:
             raise ValueError(f"num_prompt_tokens must be an integer >= 1, got {num_prompt_tokens!r}")
         self._host._validate_prompt_len(num_prompt_tokens, "num_prompt_tokens")
-        if prompt_token_ids is not None:
-            token_ids = list(prompt_token_ids)
-            self._host._validate_prompt(token_ids, "prompt_token_ids")
-            if len(token_ids) != num_prompt_tokens:
-                raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens, num_prompt_tokens is {num_prompt_tokens}")
+        token_ids = list(prompt_token_ids)
+        self._host._validate_prompt(token_ids, "prompt_token_ids")
+        if len(token_ids) != num_prompt_tokens:
+            raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens, num_prompt_tokens is {num_prompt_tokens}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if self._host.scheduler.is_known(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self._host.kv.reserve(request_id, num_prompt_tokens, prompt_token_ids)
+        return self._host.scheduler.reserve(self._host._new_request(request_id, token_ids, SamplingParams()))
+
+    def _waiting(self, request_id: str) -> Request | None:
+        """The request under ``request_id`` if it is WAITING_FOR_REMOTE_KVS (any thread: one
+        dict read)."""
+        request = self._host.scheduler.requests.get(request_id)
+        return request if request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KVS else None
 
     def reserved_num_cached_blocks(self, request_id: str) -> int:
-        """How many leading blocks of the reservation under ``request_id`` are prefix-cache
-        hits (their pages need not travel). ValueError if nothing is reserved under the id."""
-        reservation = self._host.kv.reserved.get(request_id)
-        if reservation is None:
-            raise ValueError(f"request_id {request_id!r} has no reservation")
-        return reservation.num_cached_blocks
+        """How many leading blocks of the request WAITING_FOR_REMOTE_KVS under ``request_id``
+        are prefix-cache hits (their pages need not travel). ValueError if there is none."""
+        request = self._waiting(request_id)
+        if request is None:
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV")
+        return request.num_cached_tokens // self._host.kv.block_size
 
     def unpack_kv(self, request_id: str, packed: torch.Tensor, first_page: int = 0) -> None:
         """Write page i of ``packed`` (``kv_layout.packed_shape(n)``, the cache dtype;
         another device is copied over) into fresh block ``first_page + i`` of the
-        reservation under ``request_id`` (its blocks after the prefix-cache hits), so pages
-        can only land in the reservation they were sent for, never in a block a request or
-        the prefix cache relies on. ValueError when nothing is reserved under the id, the
-        pages overrun the fresh blocks, or on a shape or dtype mismatch.
+        blocks of the request WAITING_FOR_REMOTE_KVS under ``request_id`` (its blocks after
+        the prefix-cache hits), so pages can only land in the reservation they were sent
+        for, never in a block a request or the prefix cache relies on. ValueError when no
+        request under the id waits for remote KV, the pages overrun the fresh blocks, or on a
+        shape or dtype mismatch.
 
         Thread-safe against the engine's own thread while the caller guarantees that the
-        reservation is neither cancelled nor admitted meanwhile (the decode worker holds the
-        lock that freeing takes): the reservation's block list never changes, and only this
-        call writes its fresh blocks."""
-        reservation = self._host.kv.reserved.get(request_id)
-        if reservation is None:
-            raise ValueError(f"request_id {request_id!r} has no reservation to unpack into")
-        fresh = reservation.fresh_blocks
+        request is neither freed nor admitted meanwhile (the decode worker holds the lock
+        that freeing and admission take): its block list never changes, and only this call
+        writes its fresh blocks."""
+        if self._waiting(request_id) is None:
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV: no blocks to unpack into")
+        fresh = self._host.kv.fresh_block_ids(request_id)
         num_pages = packed.shape[2] if isinstance(packed, torch.Tensor) and packed.dim() == 6 else -1
         if not is_int(first_page) or first_page < 0 or num_pages < 0 or first_page + num_pages > len(fresh):
             raise ValueError(f"packed pages [{first_page}, {first_page} + {num_pages}) must lie within the "
-                             f"reservation's {len(fresh)} fresh blocks")
-        self._host.runner.unpack_kv([block.block_id for block in fresh[first_page:first_page + num_pages]], packed)
+                             f"request's {len(fresh)} reserved fresh blocks")
+        self._host.runner.unpack_kv(fresh[first_page:first_page + num_pages], packed)
 
     def admit_prefilled(
         self,
@@ -160,9 +168,11 @@ class KVHandoff:
         first_top_logprobs: dict[int, float] | None = None,
         num_prior_draws: int = 0,
     ) -> None:
-        """Turn the reservation under ``request_id`` (its pages already unpacked) into a
-        request whose prompt K/V are computed and whose output holds ``first_token_id``.
-        The next steps compute the first token's K/V and sample token 2 onwards.
+        """Admit the request WAITING_FOR_REMOTE_KVS under ``request_id`` (its pages already
+        unpacked): its prompt K/V are computed, its output holds ``first_token_id``, and it
+        waits (WAITING) in the scheduler's ``prefilled`` queue, which the next step moves into
+        the running batch (RUNNING). That step computes the first token's K/V and samples
+        token 2 onwards.
 
         * Outputs: ``new_token_ids`` / ``new_text`` of step() outputs only ever hold later
           tokens (the first was streamed by the prefill leg); ``num_output_tokens`` counts
@@ -175,23 +185,23 @@ class KVHandoff:
           plus ``num_prior_draws`` for a migrated request (see ``add_request``).
         * Prefix caching: the received full prompt blocks are published in this worker's
           prefix cache (a block whose hash is already published stays private, unshared);
-          the reservation's hits count as cached prompt tokens (``num_cached_tokens``).
+          the reserved prefix-cache hits count as cached prompt tokens (``num_cached_tokens``).
         * With ``params.logprobs`` set, ``first_logprob`` (and, for top-n, the prefill
           worker's ``first_top_logprobs``) are required: the request's logprob history
           starts with the first token's.
 
         Validates like ``add_request`` (ValueError naming the field); on ValueError the
-        reservation is untouched, so the caller can still cancel it. ``prompt_token_ids``
-        must have exactly the reserved length.
+        request is untouched (still WAITING_FOR_REMOTE_KVS), so the caller can still cancel it.
+        ``prompt_token_ids`` must be the reserved prompt.
         """
-        token_ids = self._reserved_prompt(request_id, prompt_token_ids)
+        request, token_ids = self._reserved_prompt(request_id, prompt_token_ids)
         self._host._validate_params(params, "params")
         vocab = self._host.spec.vocab_size
         if not is_int(first_token_id) or not 0 <= first_token_id < vocab:
             raise ValueError(f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}")
         self._host._validate_prior_draws(num_prior_draws, len(token_ids))
         first = self._first_token(params, first_token_id, first_logprob, first_top_logprobs)
-        request = self._host._new_request(request_id, token_ids, params, num_skipped_draws=1 + num_prior_draws)
+        self._host._set_params(request, params, num_skipped_draws=1 + num_prior_draws)
         request.append_output_token(first_token_id)
         self._host._record_logprobs(request, first)
         request.num_computed_tokens = len(token_ids)
@@ -204,27 +214,25 @@ class KVHandoff:
             self._add_prefilled(request)
 
     def _add_prefilled(self, request: Request) -> None:
-        self._count_received(request)
+        self._host.stats.num_cached_prompt_tokens += request.num_cached_tokens
+        self._host.stats.num_received_prompt_tokens += request.num_prompt_tokens - request.num_cached_tokens
         if not self._host.scheduler.add_prefilled(request):
             self._host._early_outputs.append(self._host._make_output(request, num_before=1))
 
-    def _reserved_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> list[int]:
-        """``prompt_token_ids`` as a list, checked against the reservation under ``request_id``."""
-        num_reserved = self._host.kv.reserved_num_tokens(request_id)
-        if num_reserved is None:
-            raise ValueError(f"request_id {request_id!r} has no reservation (reserve_kv first)")
+    def _reserved_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[Request, list[int]]:
+        """The request WAITING_FOR_REMOTE_KVS under ``request_id`` and ``prompt_token_ids``
+        as a list, checked to be its prompt."""
+        request = self._waiting(request_id)
+        if request is None:
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV (reserve_kv first)")
         token_ids = list(prompt_token_ids)
         self._host._validate_prompt(token_ids, "prompt_token_ids")
-        if len(token_ids) != num_reserved:
-            raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens; the reservation is for {num_reserved}")
-        return token_ids
-
-    def _count_received(self, request: Request) -> None:
-        """The reservation's hits count as cached prompt tokens, the rest as received."""
-        num_cached = self._host.kv.reserved[request.request_id].num_cached_blocks * self._host.kv.block_size
-        request.num_cached_tokens = num_cached
-        self._host.stats.num_cached_prompt_tokens += num_cached
-        self._host.stats.num_received_prompt_tokens += request.num_prompt_tokens - num_cached
+        if len(token_ids) != request.num_prompt_tokens:
+            raise ValueError(f"prompt_token_ids has {len(token_ids)} tokens; the blocks are reserved for "
+                             f"{request.num_prompt_tokens}")
+        if token_ids != request.prompt_token_ids:
+            raise ValueError("prompt_token_ids differ from the reserved prompt")
+        return request, token_ids
 
     @staticmethod
     def _first_token(
@@ -240,9 +248,10 @@ class KVHandoff:
             raise ValueError("first_top_logprobs (token id -> logprob) is required when params.logprobs > 0")
         return SampledToken(token_id, float(logprob), dict(top_logprobs))
 
-    def cancel_reservation(self, request_id: str) -> bool:
-        """Free a reservation's blocks (once). False if there is no reservation under the id."""
-        return self._host.kv.cancel_reservation(request_id)
+    def free_reserved_kv(self, request_id: str) -> bool:
+        """Free the blocks of the request WAITING_FOR_REMOTE_KVS under ``request_id`` (once;
+        it ends FINISHED_ABORTED). False if no request under the id waits for remote KV."""
+        return self._waiting(request_id) is not None and self._host.scheduler.abort(request_id)
 
     def _check_block_ids(self, block_ids: Sequence[int], distinct: bool) -> list[int]:
         num_blocks = self._host.kv.num_blocks

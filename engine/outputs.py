@@ -82,3 +82,4 @@ class EngineLoad:
     spec: SpecDecodeStats | None = None  # a copy of the speculative-decoding counters
     num_cached_prompt_tokens: int = 0  # since start: prompt tokens served by the prefix cache
     num_received_prompt_tokens: int = 0  # since start: prompt tokens whose pages arrived
+    num_blocks_in_transfer: int = 0  # held for a transfer out, or owned by requests WAITING_FOR_REMOTE_KVS

@@ -11,6 +11,11 @@ from engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    # Decode worker: blocks reserved under the request's id, its prompt K/V computed by a
+    # prefill worker and not yet all here (as vLLM v1's WAITING_FOR_REMOTE_KVS). In no queue;
+    # admission (``Engine.handoff.admit_prefilled``) makes it WAITING in the scheduler's
+    # ``prefilled`` queue, freeing (a failed hand-off, ``abort``) ends it FINISHED_ABORTED.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()

@@ -12,10 +12,11 @@ Disaggregated serving adds two ways in and out (block tables in ``KVCacheManager
 
 * a request added with ``hold_kv`` that finishes normally keeps its prompt blocks
   (``kv.hold``) for the prefill worker to ship; an aborted one frees everything;
-* ``add_prefilled`` admits a request whose prompt K/V were received into a reservation
-  and whose first token is already sampled. It waits in ``prefilled`` and joins the
-  running batch after the running requests and ahead of waiting ones (under
-  ``max_num_seqs``), costing one token.
+* ``reserve`` takes the blocks of a request whose prompt K/V another worker computes; it
+  waits, in no queue, as WAITING_FOR_REMOTE_KVS;
+* ``add_prefilled`` admits it once its prompt K/V were received and its first token is
+  sampled. It waits in ``prefilled`` and joins the running batch after the running
+  requests and ahead of waiting ones (under ``max_num_seqs``), costing one token.
 
 The scheduler mutates request state and the KV cache manager; the model runner only reads
 the ``SchedulerOutput``.
@@ -24,7 +25,7 @@ the ``SchedulerOutput``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -92,7 +93,7 @@ class Scheduler:
 
     # -- queue operations -------------------------------------------------------------
     def is_known(self, request_id: str) -> bool:
-        """True while the id is queued, running, or holds or reserves blocks."""
+        """True while the id is queued, running, waiting for remote KV, or holds blocks."""
         return request_id in self.requests or self.kv.holds_transfer(request_id)
 
     def add(self, request: Request) -> None:
@@ -101,30 +102,39 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def reserve(self, request: Request) -> list[int] | None:
+        """Take the blocks of a new request whose prompt K/V another worker computes
+        (``KVCacheManager.reserve``); it waits as WAITING_FOR_REMOTE_KVS, in no queue, until
+        ``add_prefilled`` or ``abort``. None, and no change, if the pool cannot now."""
+        block_ids = self.kv.reserve(request)
+        if block_ids is not None:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.requests[request.request_id] = request
+        return block_ids
+
     def add_prefilled(self, request: Request) -> bool:
-        """Admit a request whose prompt K/V sit in the reservation under its id
-        (``num_computed_tokens`` = prompt length) and whose first output token is appended.
-        Its full prompt blocks are published to the prefix cache. Returns False if that
-        first token already finishes it: its blocks are then freed and it is not queued."""
-        self.kv.adopt_reservation(request)
+        """Admit a reserved request whose prompt K/V are in its blocks
+        (``num_computed_tokens`` = prompt length) and whose first output token is appended:
+        it waits in ``prefilled`` (WAITING). Its full prompt blocks are published to the
+        prefix cache. Returns False if that first token already finishes it: its blocks are
+        then freed and it is not queued."""
         self.kv.cache_computed_blocks(request)
         status = self._stop_status(request, request.output_token_ids[-1])
         if status is not None:
-            request.status = status
-            self.kv.free(request)
+            self.finish(request, status)
             return False
-        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
         self.prefilled.append(request)
         return True
 
     def abort(self, request_id: str) -> bool:
-        """Finish a request as aborted and free its blocks at once; blocks held or reserved
-        under the id are freed too. False if the id is unknown."""
+        """Finish a request (queued, running or waiting for remote KV) as aborted and free its
+        blocks at once; blocks held under the id are freed too. False if the id is unknown."""
         request = self.requests.get(request_id)
         if request is not None:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
             return True
-        return self.kv.release(request_id) or self.kv.cancel_reservation(request_id)
+        return self.kv.release(request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Finish a request. A ``hold_kv`` request that was not aborted keeps the blocks of
@@ -143,7 +153,12 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """True while a request is queued or running (one waiting for remote KV waits on the
+        transfer, not on a step)."""
+        return bool(self.waiting or self.running or self.prefilled)
+
+    def waiting_for_remote_kvs(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS]
 
     # -- the step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -294,18 +309,22 @@ class Scheduler:
                                self.max_model_len, request.eos_token_ids)
         return None if reason is None else _FINISHED_BY[reason]
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, parked: Collection[str] = ()) -> None:
         """Raise if a block or a request is accounted for wrongly: each known request sits in
-        exactly one queue; only running and admitted (prefilled) requests have block tables;
-        held and reserved ids belong to no queued request."""
-        self.kv.check_integrity()
+        exactly one queue, but those WAITING_FOR_REMOTE_KVS and the admitted ``parked`` ones
+        (the engine's, compiling a grammar), which sit in none; only they and running and
+        prefilled requests have block tables; held ids belong to no known request."""
+        remote = {r.request_id for r in self.waiting_for_remote_kvs()}
+        parked = set(parked) & self.requests.keys()
+        self.kv.check_integrity(sorted(remote))
         queued = [r.request_id for r in (*self.waiting, *self.running, *self.prefilled)]
-        if len(set(queued)) != len(queued) or set(queued) != set(self.requests):
+        if len(set(queued)) != len(queued) or set(queued) | remote | parked != set(self.requests) \
+                or set(queued) & (remote | parked):
             raise RuntimeError("a request is in no queue, or in more than one")
         with_blocks = set(self.kv.req_to_blocks)
-        may_hold = {r.request_id for r in (*self.running, *self.prefilled)}
+        may_hold = {r.request_id for r in (*self.running, *self.prefilled)} | remote | parked
         if not with_blocks <= may_hold:
             raise RuntimeError(f"blocks held by non-running requests: {sorted(with_blocks - may_hold)}")
-        transfer = (set(self.kv.held) | set(self.kv.reserved)) & set(self.requests)
+        transfer = set(self.kv.held) & set(self.requests)
         if transfer:
-            raise RuntimeError(f"held or reserved ids that are also queued: {sorted(transfer)}")
+            raise RuntimeError(f"held ids that are also known requests: {sorted(transfer)}")

@@ -88,7 +88,7 @@ class StructuredOutput:
                 continue
             reason = str(error) if error is not None else f"replayed tokens refused: {state.error if state else ''}"
             log.warning("engine.constraint_failed", request_id=request_id, reason=reason)
-            self.scheduler.abort(request_id)  # frees a reservation made for it, if any
+            self.scheduler.abort(request_id)  # frees its blocks (reserved or running), if any
             request.status = RequestStatus.FINISHED_ABORTED
             failed.append(self._make_output(request, request.num_output_tokens))
         return failed

@@ -103,10 +103,10 @@ class WorkerConfig:
     gateway: str  # the gateways' registries: a discovery source (plumbing/discovery.py)
     gateway_refresh_s: float = 1.0  # ask the discovery source again this often
     transport: str = "auto"  # auto: nccl on CUDA, gloo otherwise
-    transfer_timeout_s: float = 30.0  # one channel operation (one message), and one KV channel join
+    kv_channel_timeout_s: float = 30.0  # one KV channel operation (one message), and one KV channel join
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
     max_reservations_per_request: int = 8  # decode: reservations one request id may take (leases are not renewable without end)
-    kv_chunk_bytes: int = 8 << 20  # prefill: KV pages per message on the channel, in bytes (pipelined)
+    kv_chunk_bytes: int = 8 << 20  # prefill: KV pages per message on a KV channel, in bytes (pipelined)
     kv_channels_per_peer: int = 4  # prefill: lanes (channels) per decode worker, one transfer each at a time
     # Fault injection for the failure tests: the prefill worker sleeps this long between
     # announcing a transfer and posting its send (0: off).
@@ -118,8 +118,8 @@ class WorkerConfig:
             raise ValueError(f"gateway_refresh_s must be > 0, got {self.gateway_refresh_s}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.transfer_timeout_s <= 0:
-            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.kv_channel_timeout_s <= 0:
+            raise ValueError(f"kv_channel_timeout_s must be > 0, got {self.kv_channel_timeout_s}")
         if self.kv_channels_per_peer < 1:
             raise ValueError(f"kv_channels_per_peer must be >= 1, got {self.kv_channels_per_peer}")
         if self.kv_chunk_bytes < 1:
@@ -277,7 +277,8 @@ def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--gateway-refresh-s", type=float, default=1.0,
              help="ask --gateway's DNS name or EndpointSlices again this often")
     add_flag(p, "--transport", default="auto", choices=list(TRANSPORTS), help="KV transport")
-    add_flag(p, "--transfer-timeout-s", type=float, default=30.0, help="KV channel op timeout")
+    add_flag(p, "--kv-channel-timeout-s", deprecated=("--transfer-timeout-s",), type=float, default=30.0,
+             help="deadline of one KV channel operation (a message, a join); not of a whole transfer")
     add_flag(p, "--max-reservations-per-request", type=int, default=8,
              help="decode: KV reservations one request id may take on this worker")
     add_flag(p, "--kv-chunk-bytes", type=int, default=8 << 20,
@@ -292,7 +293,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         server=server_config(args), engine=engine_config(args), gateway=args.gateway,
         gateway_refresh_s=args.gateway_refresh_s,
-        transport=args.transport, transfer_timeout_s=args.transfer_timeout_s,
+        transport=args.transport, kv_channel_timeout_s=args.kv_channel_timeout_s,
         max_reservations_per_request=args.max_reservations_per_request,
         fault_transfer_stall_s=args.fault_transfer_stall_s, kv_chunk_bytes=args.kv_chunk_bytes,
         kv_channels_per_peer=args.kv_channels_per_peer,

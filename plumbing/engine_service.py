@@ -135,8 +135,9 @@ class EngineServicer:
         self.loop.call_soon_threadsafe(put)
 
     def blocks_in_transfer(self) -> int:
-        """KV blocks held for (prefill) or reserved by (decode) transfers; any thread."""
-        return 0
+        """KV blocks held for (prefill) or reserved by (decode) transfers, as the engine
+        thread last published them; any thread."""
+        return self.engine_thread.load.num_blocks_in_transfer
 
     def on_tick(self, engine: Engine) -> None:
         """Engine-thread housekeeping between steps (leases); default none."""

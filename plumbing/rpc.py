@@ -273,7 +273,7 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: list[s
 
 
 def channel_options() -> list[tuple[str, Any]]:
-    """Options of every channel between the services. Reconnection backs off to at most 1 s
+    """Options of every RPC channel between the services. Reconnection backs off to at most 1 s
     (gRPC's default grows to 120 s), so a peer restarted on the same address is reached again
     within about a second: a worker re-registers, a gateway routes to it."""
     return [

@@ -44,7 +44,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         super().__init__(config, engine)
         self.channels = ChannelPool(
             engine.kv_layout, config.resolved_transport(), config.server.public_host,
-            config.engine.device, config.transfer_timeout_s, self.incarnation, config.fault_transfer_stall_s,
+            config.engine.device, config.kv_channel_timeout_s, self.incarnation, config.fault_transfer_stall_s,
             security=self.channel_security, num_lanes=config.kv_channels_per_peer,
         )
         self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request

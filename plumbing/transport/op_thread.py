@@ -60,7 +60,7 @@ class OpThread:
         self._in_flight: deque[Future[None]] = deque()  # started, not yet settled by us
         self._error: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, op: Op) -> Future[None]:
@@ -104,7 +104,7 @@ class OpThread:
         with self._lock:
             return bool(self._in_flight)
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         started: deque[tuple[Future[None], Finish]] = deque()
         while True:
             with self._lock:

@@ -37,9 +37,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-early-first-token")
     with Cluster(MODEL, num_prefill=2, num_decode=2, log_dir=str(logs),
                  gateway_flags=["--local-prefill-max-tokens", "16", "--routing", "load"],
-                 prefill_flags=["--fault-transfer-stall-s", "1.5", "--transfer-timeout-s", "5",
+                 prefill_flags=["--fault-transfer-stall-s", "1.5", "--kv-channel-timeout-s", "5",
                                 "--kv-chunk-bytes", "65536"],  # 2 blocks a message
-                 decode_flags=["--transfer-timeout-s", "5"]) as c:
+                 decode_flags=["--kv-channel-timeout-s", "5"]) as c:
         yield c
 
 

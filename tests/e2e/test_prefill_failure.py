@@ -34,8 +34,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     with Cluster(MODEL, num_prefill=2, num_decode=1, log_dir=str(logs),
                  gateway_flags=["--lease-ms", "1000", "--local-prefill-max-tokens", "16",
                                 "--reservation-wait-ms", "300", "--max-in-flight", "3"],
-                 prefill_flags=["--fault-transfer-stall-s", "2.0", "--transfer-timeout-s", "5"],
-                 decode_flags=["--transfer-timeout-s", "5", "--num-kv-blocks", "48"]) as c:
+                 prefill_flags=["--fault-transfer-stall-s", "2.0", "--kv-channel-timeout-s", "5"],
+                 decode_flags=["--kv-channel-timeout-s", "5", "--num-kv-blocks", "48"]) as c:
         yield c
 
 

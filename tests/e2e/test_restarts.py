@@ -51,7 +51,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-restarts")
     with Cluster(MODEL, num_prefill=2, num_decode=2, log_dir=str(logs),
                  gateway_flags=["--local-prefill-max-tokens", "0", "--startup-grace-s", "30"],
-                 worker_flags=["--transfer-timeout-s", "10"]) as c:
+                 worker_flags=["--kv-channel-timeout-s", "10"]) as c:
         yield c
 
 

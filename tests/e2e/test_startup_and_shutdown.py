@@ -60,7 +60,7 @@ def test_a_prefill_worker_with_a_channel_still_opening_exits_within_its_grace(tm
     port = fake.add_insecure_port("127.0.0.1:0")
     fake.start()
     proc = _service("prefill", ["--model", MODEL, "--gateway", "127.0.0.1:1", "--threads", "1",
-                                "--transfer-timeout-s", "600", "--drain-timeout-s", "1"], tmp_path / "ready")
+                                "--kv-channel-timeout-s", "600", "--drain-timeout-s", "1"], tmp_path / "ready")
     try:
         address = wait_ready(tmp_path / "ready", proc, 120)
         target = prefill_pb2.DecodeTarget(worker_id=1, address=f"127.0.0.1:{port}", transfer_id=5, num_blocks=3,

@@ -148,7 +148,7 @@ def test_hold_keeps_prompt_blocks_and_frees_the_rest_tail_first() -> None:
         kv.held_block_ids("a")
 
 
-def test_reserve_takes_the_head_and_adoption_publishes() -> None:
+def test_reserve_takes_the_head_and_admission_publishes() -> None:
     kv = KVCacheManager(num_blocks=6, block_size=4)
     a = make_request("a", list(range(8)))
     assert kv.allocate_slots(a, 8)
@@ -156,20 +156,22 @@ def test_reserve_takes_the_head_and_adoption_publishes() -> None:
     kv.cache_computed_blocks(a)
     kv.free(a)
     assert kv.pool.free_queue.block_ids() == [2, 3, 4, 5, 1, 0]  # 1 and 0 cached
-    assert kv.reserve("big", 25) is None  # 7 blocks: not now, and no change
-    assert kv.num_free_blocks == 6 and not kv.reserved
-    assert kv.reserve("r", 20) == [2, 3, 4, 5, 1]  # evicts cached block 1, keeps 0
-    assert kv.reserved_num_tokens("r") == 20 and kv.reserved_block_ids() == {1, 2, 3, 4, 5}
+    assert kv.reserve(make_request("big", [7] * 25)) is None  # 7 blocks: not now, and no change
+    assert kv.num_free_blocks == 6 and not kv.req_to_blocks
+    r = make_request("r", [7] * 20)
+    assert kv.reserve(r) == [2, 3, 4, 5, 1]  # no hit; evicts cached block 1, keeps 0
+    assert kv.fresh_block_ids("r") == [2, 3, 4, 5, 1] and r.num_computed_tokens == r.num_cached_tokens == 0
     assert list(kv.pool.cached.values()) == [kv.pool.blocks[0]]
-    kv.check_integrity()
-    assert kv.cancel_reservation("r") and not kv.cancel_reservation("r")
+    kv.check_integrity(["r"])
+    kv.free(r)
     assert kv.pool.free_queue.block_ids() == [0, 1, 5, 4, 3, 2]
-    assert kv.reserve("r", 9) == [0, 1, 5] and not kv.pool.cached
     r = make_request("r", list(range(9)))
+    assert kv.reserve(r) == [0, 1, 5]  # block 0 is a hit (tokens 0-3), then the head of the queue
+    assert kv.fresh_block_ids("r") == [1, 5] and r.num_computed_tokens == r.num_cached_tokens == 4
+    kv.check_integrity(["r"])
     r.num_computed_tokens = 9  # the received prompt
-    kv.adopt_reservation(r)
-    kv.cache_computed_blocks(r)  # blocks 0 and 1 are full: published
-    assert kv.block_ids("r") == [0, 1, 5] and not kv.reserved
+    kv.cache_computed_blocks(r)  # block 1 is full: published after the hit
+    assert kv.block_ids("r") == [0, 1, 5]
     c = make_request("c", list(range(8)) + [7])
     hits, num_hit = kv.get_computed_blocks(c)
     assert [blk.block_id for blk in hits] == [0, 1] and num_hit == 8

@@ -15,6 +15,7 @@ import torch
 
 from engine import CompletionOutput, Engine, EngineConfig, SamplingParams
 from engine.kv_layout import KVLayout
+from engine.request import RequestStatus
 from engine.spec_decode.config import SpeculativeConfig
 from tests.conftest import mixed_prompts
 from tests.engine.test_default_model_engine import MODELS, heldout_prompts
@@ -85,12 +86,13 @@ def try_admit(b: Engine, t: Transfer, params: SamplingParams, done: Completions 
               num_prior_draws: int = 0) -> list[int] | None:
     """``admit``, or None (and no change) when B cannot reserve the blocks now. ``done``
     then expects the request's outputs, starting with its first token."""
-    ids = b.handoff.reserve_kv(t.request_id, len(t.prompt_token_ids))
+    ids = b.handoff.reserve_kv(t.request_id, len(t.prompt_token_ids), t.prompt_token_ids)
     if ids is None:
         return None
     assert len(ids) == t.packed.shape[2]
-    b.handoff.unpack_kv(t.request_id, t.packed)
-    assert torch.equal(b.handoff.pack_kv(ids), t.packed)  # the pages landed intact in other block ids
+    k = b.handoff.reserved_num_cached_blocks(t.request_id)  # B's own prefix-cache hits: no pages
+    b.handoff.unpack_kv(t.request_id, t.packed[:, :, k:].contiguous())
+    assert torch.equal(b.handoff.pack_kv(ids[k:]), t.packed[:, :, k:])  # the pages landed intact in other block ids
     b.handoff.admit_prefilled(t.request_id, t.prompt_token_ids, t.first_token_id, params,
                       first_logprob=t.first_logprob, first_top_logprobs=t.first_top_logprobs,
                       num_prior_draws=num_prior_draws)
@@ -164,7 +166,7 @@ def assert_clean(*engines: Engine) -> None:
     for engine in engines:
         engine.check_integrity()
         assert engine.num_free_blocks == engine.kv.num_blocks
-        assert not engine.kv.held and not engine.kv.reserved
+        assert not engine.kv.held and not engine.kv.req_to_blocks and not engine.scheduler.requests
 
 
 # -- parity ------------------------------------------------------------------------------
@@ -284,8 +286,9 @@ def test_held_blocks_keep_prefill_prefix_cache_correct(ckpt_dir: Callable[..., P
 
 
 def test_decode_publishes_received_blocks(ckpt_dir: Callable[..., Path]) -> None:
-    """B publishes the full prompt blocks it received; a hash B already had stays with B's
-    own block and the received copy stays private."""
+    """B publishes the full prompt blocks it received; a hash B published while the pages were
+    on their way (after the reservation took its hits) stays with B's own block and the
+    received copy stays private."""
     path = ckpt_dir("llama")
     local_first = PREFIX[:192] + [41, 42, 43]  # 12 full blocks: the shared prefix
     shipped = PREFIX[:192] + list(range(50, 70))  # 13 full blocks: 12 already cached on B + 1 new
@@ -293,12 +296,16 @@ def test_decode_publishes_received_blocks(ckpt_dir: Callable[..., Path]) -> None
     ref = make_engine(path)
     expected = [o.token_ids for o in ref.generate([local_first, shipped, later], GREEDY)]
     a, b = make_engine(path), make_engine(path)
+    transfer = prefill(a, {"s": shipped}, GREEDY)["s"]
+    ids = b.handoff.reserve_kv("s", len(shipped), shipped)  # nothing cached on B yet: no hits
+    assert ids is not None and b.handoff.reserved_num_cached_blocks("s") == 0
     assert b.generate([local_first], GREEDY)[0].token_ids == expected[0]
     cached_before = dict(b.kv.pool.cached)
     assert len(cached_before) == 12
-    transfer = prefill(a, {"s": shipped}, GREEDY)["s"]
+    b.handoff.unpack_kv("s", transfer.packed)
+    b.handoff.admit_prefilled("s", shipped, transfer.first_token_id, GREEDY)
     done = Completions()
-    ids = admit(b, transfer, GREEDY, done)
+    done.expect("s", shipped, transfer.first_token_id)
     cached = b.kv.pool.cached
     assert {h: blk.block_id for h, blk in cached.items() if h in cached_before} == {
         h: blk.block_id for h, blk in cached_before.items()
@@ -399,16 +406,16 @@ def test_reservation_lifecycle(ckpt_dir: Callable[..., Path]) -> None:
     done.feed(b.step())
     running_ids = set(b.kv.block_ids(running))
     assert len(running_ids) == 3
-    ids = b.handoff.reserve_kv("r", 150)  # 10 blocks
+    ids = b.handoff.reserve_kv("r", 150, [7] * 150)  # 10 blocks
     assert ids is not None and len(ids) == 10 and not running_ids & set(ids)
     assert b.num_free_blocks == 3
     b.check_integrity()
-    assert b.handoff.reserve_kv("s", 60) is None  # 4 blocks: not now
-    assert not b.kv.reserved.get("s") and b.num_free_blocks == 3
+    assert b.handoff.reserve_kv("s", 60, [7] * 60) is None  # 4 blocks: not now
+    assert "s" not in b.scheduler.requests and b.num_free_blocks == 3
     with pytest.raises(ValueError, match="request_id"):
-        b.handoff.reserve_kv("r", 10)
-    assert b.handoff.cancel_reservation("r") and not b.handoff.cancel_reservation("r")
-    assert b.handoff.reserve_kv("s", 60) is not None  # after the free, it fits
+        b.handoff.reserve_kv("r", 10, [7] * 10)
+    assert b.handoff.free_reserved_kv("r") and not b.handoff.free_reserved_kv("r")
+    assert b.handoff.reserve_kv("s", 60, [7] * 60) is not None  # after the free, it fits
     with pytest.raises(ValueError, match="request_id"):
         b.handoff.unpack_kv(running, torch.zeros(b.kv_layout.packed_shape(3)))  # not a reservation
     assert b.abort("s") and not b.abort("s")  # abort cancels a reservation too
@@ -416,9 +423,9 @@ def test_reservation_lifecycle(ckpt_dir: Callable[..., Path]) -> None:
     assert drain(b, done)[running].token_ids == make_engine(path).generate([list(range(3, 40))], params)[0].token_ids
     # Cached but unreferenced blocks are evicted for a reservation; referenced ones never.
     assert len(b.kv.pool.cached) == (37 + 19) // 16
-    assert b.handoff.reserve_kv("all", 255) is not None and b.num_free_blocks == 0  # 16 blocks
+    assert b.handoff.reserve_kv("all", 255, [7] * 255) is not None and b.num_free_blocks == 0  # 16 blocks
     assert not b.kv.pool.cached
-    assert b.handoff.cancel_reservation("all")
+    assert b.handoff.free_reserved_kv("all")
     assert_clean(b)
 
 
@@ -479,19 +486,19 @@ def test_bad_input_names_the_field(ckpt_dir: Callable[..., Path]) -> None:
     transfer = prefill(a, {"x": prompt}, GREEDY)["x"]
     for n in (0, -3, 256, 1000, 2.5):
         with pytest.raises(ValueError, match="num_prompt_tokens"):
-            b.handoff.reserve_kv("x", n)  # type: ignore[arg-type]
+            b.handoff.reserve_kv("x", n, [7])  # type: ignore[arg-type]
     small = make_engine(path, num_kv_blocks=4)
     with pytest.raises(ValueError, match="num_prompt_tokens"):
-        small.handoff.reserve_kv("x", 64)  # 65 tokens need 5 blocks: never fits
+        small.handoff.reserve_kv("x", 64, [7] * 64)  # 65 tokens need 5 blocks: never fits
     with pytest.raises(ValueError, match="request_id"):
         b.handoff.admit_prefilled("x", prompt, 5, GREEDY)  # nothing reserved
-    ids = b.handoff.reserve_kv("x", len(prompt))
+    ids = b.handoff.reserve_kv("x", len(prompt), prompt)
     assert ids is not None
     with pytest.raises(ValueError, match="request_id"):
-        b.handoff.reserve_kv("x", 10)
+        b.handoff.reserve_kv("x", 10, [7] * 10)
     b.add_request([4, 5, 6], GREEDY, "local")
     with pytest.raises(ValueError, match="request_id"):
-        b.handoff.reserve_kv("local", 10)
+        b.handoff.reserve_kv("local", 10, [7] * 10)
     layout = b.kv_layout
     assert layout == KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
     for bad in (torch.zeros(layout.packed_shape(4)), torch.zeros(1, *layout.packed_shape(3)[1:]),
@@ -519,10 +526,11 @@ def test_bad_input_names_the_field(ckpt_dir: Callable[..., Path]) -> None:
         with pytest.raises(ValueError, match=field):
             b.handoff.admit_prefilled("x", kwargs.pop("prompt_token_ids"), kwargs.pop("first_token_id"),
                               kwargs.pop("params"), **kwargs)
-        assert b.kv.reserved_num_tokens("x") == len(prompt)  # the reservation is untouched
+        request = b.scheduler.requests["x"]  # the reservation is untouched
+        assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS and request.num_output_tokens == 0
         b.check_integrity()
     with pytest.raises(ValueError, match="request_id"):
         a.handoff.held_block_ids("x")  # released by prefill()
-    assert b.handoff.cancel_reservation("x")
+    assert b.handoff.free_reserved_kv("x")
     assert b.abort("local")
     assert_clean(a, b, small)

@@ -70,7 +70,7 @@ def test_hits_are_never_written_and_freed_once(ckpt_dir: Callable[..., Path]) ->
     b.handoff.unpack_kv("r", torch.ones(pages))
     assert torch.equal(b.handoff.pack_kv(ids[:4]), before)  # the hits are untouched
     b.check_integrity()
-    assert b.handoff.cancel_reservation("r") and not b.handoff.cancel_reservation("r")
+    assert b.handoff.free_reserved_kv("r") and not b.handoff.free_reserved_kv("r")
     b.check_integrity()
     assert b.num_free_blocks == b.kv.num_blocks  # the hits went back to the cache, unreferenced
     assert len(b.kv.pool.cached) == 4
@@ -84,8 +84,8 @@ def test_a_full_pool_counts_revived_hits(ckpt_dir: Callable[..., Path]) -> None:
     b.generate([prompt], GREEDY)
     assert b.handoff.reserve_kv("x", 64, PREFIX[:64]) is not None  # 3 hits (the last block is fresh) + 1
     assert b.handoff.reserved_num_cached_blocks("x") == 3
-    assert b.handoff.reserve_kv("y", 80) is None  # 5 fresh blocks: only 4 are free
-    assert b.handoff.reserve_kv("z", 64) is not None  # 4 fresh blocks (evicts the 4th cached one)
+    assert b.handoff.reserve_kv("y", 80, [7] * 80) is None  # 5 fresh blocks: only 4 are free
+    assert b.handoff.reserve_kv("z", 64, [7] * 64) is not None  # 4 fresh blocks (evicts the 4th cached one)
     b.check_integrity()
-    assert b.handoff.cancel_reservation("x") and b.handoff.cancel_reservation("z")
+    assert b.handoff.free_reserved_kv("x") and b.handoff.free_reserved_kv("z")
     b.check_integrity()

@@ -30,6 +30,7 @@ NATIVE_SOURCES = [
     "kernels/csrc/elementwise.cpp",
     "kernels/csrc/paged_attention.cpp",
     "kernels/csrc/paged_attention_args.cpp",
+    "kernels/csrc/quant_matmul.cpp",
     "kernels/csrc/write_kv.cpp",
     "kernels/csrc/register.cpp",
     "kernels/csrc/threads.cpp",

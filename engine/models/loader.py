@@ -37,13 +37,14 @@ def rope_inv_freq(cfg: Any) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
-def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(path: str, dtype: torch.dtype, keep: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Every tensor of the checkpoint (single file or sharded with an index; or a GGUF
-    file, dequantized), cast to dtype."""
+    file, dequantized except the types in ``keep``: engine.quant.linear.kept_gguf_types),
+    cast to dtype."""
     if is_gguf(path):
         from engine.models.gguf_weights import load_gguf_weights
 
-        return load_gguf_weights(path, dtype)
+        return load_gguf_weights(path, dtype, keep)
     from safetensors.torch import load_file
 
     root = require_dir(path)

@@ -226,8 +226,10 @@ def linear_factory(
 def lm_head_linear(
     weight: torch.Tensor | BlockWeight, quant: WeightQuant | None, dense: Callable[..., LinearLayer] = DenseLinear
 ) -> LinearLayer:
-    """The LM head: int8 whenever weights are quantized (module docstring)."""
+    """The LM head: int8 whenever weights are quantized (module docstring); a weight the
+    loader kept in its file's blocks stays in them."""
     if quant is None:
         return dense(as_dense(weight), None)
-    device = weight.blocks.device if isinstance(weight, BlockWeight) else weight.device
-    return _block_linear(weight, None, "Q8_0") if native_blocks(device) else Int8Linear(as_dense(weight), None)
+    if isinstance(weight, BlockWeight):  # kept from the file (kept_gguf_types): as it is
+        return GGUFLinear(weight, None)
+    return _block_linear(weight, None, "Q8_0") if native_blocks(weight.device) else Int8Linear(weight, None)

@@ -162,6 +162,9 @@ void tile(const Problem& p, int64_t n0, int64_t m0) {
     const float* xb = p.x + m0 * p.ldx + b * kBlock;
     for (int a = 0; a < NT; ++a) {
       const uint8_t* blk = p.w + (n0 + a) * p.row_bytes + b * kBlockBytes[kind];
+      // The same block of the next tile's rows: the weights stream from memory in row
+      // order, and NT interleaved streams need help to keep enough loads in flight.
+      __builtin_prefetch(blk + NT * p.row_bytes, 0, 0);
       VF q[kVecs];
       if constexpr (kind == kQ8_0) {
         q8_floats(blk + 2, q);

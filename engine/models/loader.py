@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -14,10 +15,16 @@ from engine.models.spec import read_config, require_dir
 def load_hf_config(path: str) -> Any:
     """The checkpoint's ``transformers`` config (RoPE variants need it), architecture checked."""
     raw = read_config(path)
-    from transformers import AutoConfig
-
     if is_gguf(path):
+        rope = raw.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") == "default" and "rope_theta" in rope:
+            # All the default RoPE reads (rope_inv_freq); importing transformers for it was
+            # most of a worker's cold start on a busy machine.
+            return SimpleNamespace(**raw)
+        from transformers import AutoConfig
+
         return AutoConfig.for_model(**raw)
+    from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(require_dir(path)))
 

@@ -1,7 +1,7 @@
 """A GGUF file's Q4_1 / Q8_0 tensors kept as blocks under --quantization (engine/quant/linear.py):
 the loader hands over exactly the file's weights, and the quantized engine computes with them,
 so its greedy tokens equal the float32 engine's on the same file (only float rounding order
-differs: logprobs within a tolerance)."""
+differs: logprobs within a tolerance). And the GGUF config path of a cold start."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from engine.quant.linear import BlockWeight, GGUFLinear
 from kernels.native import native_kernels
 from tests.engine.gguf_files import checkpoint_to_gguf
 
-pytestmark = pytest.mark.skipif(not native_kernels().available, reason="block weights are kept only with the native kernels")
+needs_native = pytest.mark.skipif(not native_kernels().available, reason="block weights are kept only with the native kernels")
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1, 250], list(range(40, 75)), [3] * 20]
 
 
+@needs_native
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_kept_blocks_are_the_files_weights(qtype: str, tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
     path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype=qtype))
@@ -35,6 +36,7 @@ def test_kept_blocks_are_the_files_weights(qtype: str, tmp_path: Path, ckpt_dir:
         assert torch.equal(w.dequantize(), dense[name]), name
 
 
+@needs_native
 @pytest.mark.parametrize(("qtype", "kw"), [("Q4_1", dict(quantization="int4", quant_group_size=32)),
                                            ("Q8_0", dict(quantization="int8"))])
 def test_quantized_engine_on_kept_blocks_equals_float32(qtype: str, kw: dict, tmp_path: Path,
@@ -50,3 +52,19 @@ def test_quantized_engine_on_kept_blocks_equals_float32(qtype: str, kw: dict, tm
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-4)
+
+
+def test_default_rope_of_a_gguf_file_needs_no_transformers_config(tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
+    # Cold start: transformers' AutoConfig import took most of a worker's start on a busy
+    # machine; the default RoPE is computed from the file's own config, the same frequencies.
+    from transformers import AutoConfig
+
+    from engine.models.loader import load_hf_config, rope_inv_freq
+    from engine.models.spec import read_config
+
+    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf"))
+    light = load_hf_config(path)
+    assert not hasattr(light, "to_dict")  # not a transformers config
+    want = rope_inv_freq(AutoConfig.for_model(**read_config(path)))
+    got = rope_inv_freq(light)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]

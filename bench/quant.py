@@ -121,13 +121,13 @@ def speed(engines: dict[str, Engine], chat_prompt: list[int], rounds: int) -> di
     vocab = engines["fp32"].spec.vocab_size
     batch = [[rng.randrange(3, vocab) for _ in range(rng.randrange(48, 81))] for _ in range(64)]
     ms: dict[str, list[float]] = {name: [] for name in engines}
-    tok_s: dict[str, list[float]] = {name: [] for name in BATCH64_CONFIGS}
+    tok_s: dict[str, list[float]] = {name: [] for name in BATCH64_CONFIGS if name in engines}
     loads = []
     for r in range(rounds):
         with load_window() as load:
             for name, engine in engines.items():
                 ms[name].append(_decode_ms_per_token(engine, chat_prompt, 64))
-            for name in BATCH64_CONFIGS:
+            for name in tok_s:
                 tok_s[name].append(_batch_tok_s(engines[name], batch, 32))
         loads.append(load)
         sys.stderr.write(f"[quant bench] speed round {r + 1}/{rounds}: load {load}\n")
@@ -183,7 +183,8 @@ def goals(report: dict) -> list[dict]:
 
 def run(model: Path, args: argparse.Namespace) -> dict:
     engines, load_s = {}, {}
-    for name, kw in CONFIGS.items():
+    for name in args.configs.split(","):
+        kw = CONFIGS[name]
         start = time.perf_counter()
         engines[name] = _engine(model, args.threads, **kw)
         load_s[name] = time.perf_counter() - start
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--isa", default="auto,avx2",
                         help="native kernel variants (SPLITSERVE_CPU_ISA), one child process each")
     parser.add_argument("--quality-isa", default="auto", help="the variants whose run also scores quality")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="engines to run (fp32 always among them; fewer need less memory)")
     parser.add_argument("--skip-quality", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/quant.json"))
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         report_mod.write_json(report, args.out)
         return
     common = ["--threads", str(args.threads), "--rounds", str(args.rounds), "--ppl-tokens", str(args.ppl_tokens),
-              "--window", str(args.window)]
+              "--window", str(args.window), "--configs", args.configs]
     with load_window() as load:
         by_isa = {isa: run_isa(isa, common, isa in args.quality_isa.split(",")) for isa in args.isa.split(",")}
     report = {**report_mod.header("quant", args.threads), "model": model.name, "isa": by_isa, "load_average_1m": load}

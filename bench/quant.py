@@ -31,6 +31,7 @@ with int8 KV <= 0.55x fp32.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,7 +72,7 @@ GOALS = [  # (figure, comparison, bound)
 
 def _engine(model: Path, threads: int, **kw: object) -> Engine:
     return Engine(EngineConfig(model=str(model), num_threads=threads, max_model_len=2048,
-                               num_kv_blocks=640, max_num_seqs=64, **kw))  # type: ignore[arg-type]
+                               num_kv_blocks=512, max_num_seqs=64, **kw))  # type: ignore[arg-type]
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -158,12 +160,21 @@ def kv_bytes(engines: dict[str, Engine], model: Path) -> dict:
             f"max_seqs_{SEQ_TOKENS}_tokens_in_512MiB": max_seqs}
 
 
-def quality(engines: dict[str, Engine], chat: ChatTemplate, ppl_tokens: int, window: int) -> dict:
-    text = heldout_token_ids(engines["fp32"], ppl_tokens)
-    ppl = {name: perplexity(engine, text, window) for name, engine in engines.items()}
-    prompts = [chat.render([("user", q)]) for q in AGREEMENT_QUESTIONS]
-    greedy = {name: greedy_outputs(engine, prompts, 128) for name, engine in engines.items()}
-    return {"heldout_tokens": len(text), "window": window, "perplexity": ppl,
+def quality(build: Callable[[str], Engine], names: list[str], ppl_tokens: int, window: int) -> dict:
+    """Engine by engine (``build(name)``; one alive at a time: the machine's memory is shared)."""
+    ppl, greedy, text, prompts = {}, {}, None, None
+    for name in names:
+        engine = build(name)
+        if text is None:
+            chat = ChatTemplate.of(engine.tokenizer)
+            assert chat is not None
+            text = heldout_token_ids(engine, ppl_tokens)
+            prompts = [chat.render([("user", q)]) for q in AGREEMENT_QUESTIONS]
+        ppl[name] = perplexity(engine, text, window)
+        greedy[name] = greedy_outputs(engine, prompts, 128)
+        del engine
+        gc.collect()
+    return {"heldout_tokens": len(text or []), "window": window, "perplexity": ppl,
             "ppl_ratio": {k: v / ppl["fp32"] for k, v in ppl.items()},
             "greedy_agreement_128": {k: agreement(greedy["fp32"], v) for k, v in greedy.items() if k != "fp32"}}
 
@@ -182,25 +193,28 @@ def goals(report: dict) -> list[dict]:
 
 
 def run(model: Path, args: argparse.Namespace) -> dict:
-    engines, load_s = {}, {}
-    for name in args.configs.split(","):
-        kw = CONFIGS[name]
-        start = time.perf_counter()
-        engines[name] = _engine(model, args.threads, **kw)
-        load_s[name] = time.perf_counter() - start
-    chat = ChatTemplate.of(engines["fp32"].tokenizer)
-    assert chat is not None
     from kernels.native import native_kernels
 
+    names = args.configs.split(",")
     report: dict = {**report_mod.header("quant", args.threads), "model": model.name, "threads": args.threads,
-                    "native_variant": native_kernels().variant, "engine_load_s": load_s,
-                    "weight_bytes": {name: weight_bytes(e) for name, e in engines.items()}}
+                    "native_variant": native_kernels().variant}
     if not args.skip_quality:
         sys.stderr.write("[quant bench] quality\n")
         with load_window() as load:
-            report["quality"] = quality(engines, chat, args.ppl_tokens, args.window)
+            report["quality"] = quality(lambda name: _engine(model, args.threads, **CONFIGS[name]), names,
+                                        args.ppl_tokens, args.window)
         report["quality"]["load_average_1m"] = load
+    engines, load_s = {}, {}
+    for name in names:
+        start = time.perf_counter()
+        engines[name] = _engine(model, args.threads, **CONFIGS[name])
+        load_s[name] = time.perf_counter() - start
+    chat = ChatTemplate.of(engines["fp32"].tokenizer)
+    assert chat is not None
+    report["engine_load_s"] = load_s
+    report["weight_bytes"] = {name: weight_bytes(e) for name, e in engines.items()}
     report["bytes"] = kv_bytes(engines, model)
+    sys.stderr.write("[quant bench] speed\n")
     report["speed"] = speed(engines, chat.render([("user", AGREEMENT_QUESTIONS[0])]), args.rounds)
     report["goals"] = goals(report)
     return report

@@ -192,9 +192,63 @@ void tile(const Problem& p, int64_t n0, int64_t m0) {
 constexpr int kMT = 4;  // activation rows per tile (batches)
 constexpr int kNT = 4;  // weight rows per tile
 
+// Many activation rows: the NT weight rows are dequantized once into float scratch (the
+// reference's values: d * q, then + m) and a float micro-kernel runs every row group over
+// them, instead of dequantizing each block once per group of kMT rows.
+constexpr int64_t kScratchMinRows = 8;
+constexpr int kFloatMT = kLanes == 16 ? 4 : 2;  // AVX2 has 16 vector registers
+
+template <int kind>
+void dequantize_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* blk = row + b * kBlockBytes[kind];
+    const float d = half_to_float(blk);
+    float* o = out + b * kBlock;
+    if constexpr (kind == kQ8_0) {
+      for (int j = 0; j < kBlock; ++j) o[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+    } else {
+      const float m = half_to_float(blk + 2);
+      for (int j = 0; j < 16; ++j) {
+        o[j] = d * static_cast<float>(blk[4 + j] & 0x0F) + m;
+        o[j + 16] = d * static_cast<float>(blk[4 + j] >> 4) + m;
+      }
+    }
+  }
+}
+
+template <int NT, int MT>
+void float_tile(const Problem& p, const float* w, int64_t n0, int64_t m0) {
+  VF acc[NT][MT];
+  for (int a = 0; a < NT; ++a) {
+    for (int i = 0; i < MT; ++i) acc[a][i] = vzero();
+  }
+  for (int64_t k = 0; k < p.K; k += kLanes) {
+    VF wv[NT];
+    for (int a = 0; a < NT; ++a) wv[a] = vload(w + a * p.K + k);
+    for (int i = 0; i < MT; ++i) {
+      const VF xv = vload(p.x + (m0 + i) * p.ldx + k);
+      for (int a = 0; a < NT; ++a) acc[a][i] = vfma(wv[a], xv, acc[a][i]);
+    }
+  }
+  for (int a = 0; a < NT; ++a) {
+    for (int i = 0; i < MT; ++i) p.y[(m0 + i) * p.N + n0 + a] = vsum(acc[a][i]);
+  }
+}
+
+template <int kind, int NT>
+void rows_via_scratch(const Problem& p, int64_t n0) {
+  thread_local std::vector<float> w;
+  w.resize(NT * p.K);
+  for (int a = 0; a < NT; ++a) dequantize_row<kind>(p.w + (n0 + a) * p.row_bytes, p.K, w.data() + a * p.K);
+  int64_t m = 0;
+  for (; m + kFloatMT <= p.M; m += kFloatMT) float_tile<NT, kFloatMT>(p, w.data(), n0, m);
+  for (; m < p.M; ++m) float_tile<NT, 1>(p, w.data(), n0, m);
+}
+
 // Weight rows [n0, n0 + NT) against every activation row.
 template <int kind, int NT>
 void rows(const Problem& p, int64_t n0) {
+  if (p.M >= kScratchMinRows) return rows_via_scratch<kind, NT>(p, n0);
   int64_t m = 0;
   for (; m + kMT <= p.M; m += kMT) tile<kind, NT, kMT>(p, n0, m);
   for (; m < p.M; ++m) tile<kind, NT, 1>(p, n0, m);

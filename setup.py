@@ -28,8 +28,10 @@ ROOT = Path(__file__).resolve().parent
 NATIVE_SOURCES = [
     "kernels/csrc/attention_plan.cpp",
     "kernels/csrc/elementwise.cpp",
+    "kernels/csrc/kv_int8.cpp",
     "kernels/csrc/paged_attention.cpp",
     "kernels/csrc/paged_attention_args.cpp",
+    "kernels/csrc/quant_matmul.cpp",
     "kernels/csrc/write_kv.cpp",
     "kernels/csrc/register.cpp",
     "kernels/csrc/threads.cpp",

@@ -16,7 +16,7 @@ from engine.kv_layout import INT8_SCALE_BYTES, KVLayout
 from engine.models.llama import ForwardBatch, LlamaModel
 from engine.models.loader import load_hf_config, load_weights
 from engine.models.spec import load_model_spec, resolve_max_model_len
-from engine.quant.linear import WeightQuant
+from engine.quant.linear import WeightQuant, kept_gguf_types
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_probs, greedy_tokens
 from engine.sampling_params import SamplingParams
@@ -119,8 +119,8 @@ class ModelRunner:
         self.hf_config = load_hf_config(config.model)
         self.spec = load_model_spec(config.model)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
-        weights = load_weights(config.model, self.dtype)
         quant = None if config.quantization == "none" else WeightQuant(config.quantization, config.quant_group_size)
+        weights = load_weights(config.model, self.dtype, kept_gguf_types(quant, self.device))
         self.model = LlamaModel(self.spec, self.hf_config, weights, self.max_model_len, self.device, quant)
         self.block_size = config.block_size
         self.num_kv_blocks = config.resolve_num_kv_blocks(

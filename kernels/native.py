@@ -4,7 +4,8 @@
 (``kernels._native_avx512`` / ``_native_avx2`` on x86-64, ``_native_default`` elsewhere).
 :func:`native_kernels` loads the best one this CPU runs, as ATen reports it
 (``torch.backends.cpu.get_cpu_capability()``), which registers the operators
-``torch.ops.splitserve.paged_attention``, ``write_kv`` and the fused elementwise ops
+``torch.ops.splitserve.paged_attention`` (float caches and the int8 one), ``write_kv``,
+``write_kv_int8``, ``gguf_linear`` (kernels/quant_matmul.py) and the fused elementwise ops
 (``rms_norm``, ``add_rms_norm_``, ``rotary_``, ``silu_mul``); their fake implementations
 are registered here so ``torch.compile`` can trace through them.
 
@@ -177,6 +178,14 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("splitserve::rotary_")
     def _rotary_fake(qk, cos, sin):
+        return None
+
+    @torch.library.register_fake("splitserve::gguf_linear")
+    def _gguf_linear_fake(x, blocks, kind):
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("splitserve::write_kv_int8")
+    def _write_kv_int8_fake(key, value, k_cache, v_cache, slot_mapping):
         return None
 
     @torch.library.register_fake("splitserve::silu_mul")

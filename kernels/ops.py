@@ -40,10 +40,15 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 skips the token
 ) -> None:
     """Store each token's K/V at its slot (``block_id * block_size + offset``). An int8
-    cache (kernels/kv_int8.py) stores them quantized, each row with its scale (the native
-    kernels do not read int8: its references and Triton kernels serve it)."""
+    cache (kernels/kv_int8.py) stores them quantized, each row with its scale (natively for
+    float32 K/V on CPU, kernels/csrc/kv_int8.cpp)."""
     if k_cache.dtype == torch.int8:
-        int8_impl = kv_int8.write_kv_int8_triton if use_triton(key.device) else kv_int8.write_kv_int8_ref
+        if use_triton(key.device):
+            int8_impl = kv_int8.write_kv_int8_triton
+        elif use_native(key.device) and key.dtype == value.dtype == torch.float32:
+            int8_impl = torch.ops.splitserve.write_kv_int8  # kernels/csrc/kv_int8.cpp
+        else:
+            int8_impl = kv_int8.write_kv_int8_ref
         int8_impl(key, value, k_cache, v_cache, slot_mapping)
         return
     if use_triton(key.device):
@@ -64,9 +69,15 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a ragged batch (decode, prefill, chunked prefill) over paged KV.
-    An int8 cache is dequantized inside the attention call (kernels/kv_int8.py)."""
+    An int8 cache is dequantized inside the attention call (kernels/kv_int8.py); the native
+    kernel reads its rows and scales in place (float32 queries)."""
     if k_cache.dtype == torch.int8:
-        int8_impl = paged_attention_int8_triton if use_triton(query.device) else kv_int8.paged_attention_int8_ref
+        if use_triton(query.device):
+            int8_impl = paged_attention_int8_triton
+        elif use_native(query.device) and query.dtype == torch.float32:
+            int8_impl = paged_attention_native  # reads the int8 rows and their scales
+        else:
+            int8_impl = kv_int8.paged_attention_int8_ref
         return int8_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if use_triton(query.device):
         impl = paged_attention_triton

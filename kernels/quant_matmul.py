@@ -166,3 +166,84 @@ def int4_matmul_cpu(
         x.to(torch.bfloat16), cpu_packed, group_size, scales_and_zeros
     )
     return y.to(x.dtype)
+
+
+# -- GGUF blocks of 32 (Q8_0, Q4_1), kept as the file stores them ------------------------
+#
+# A weight [N, K] is N rows of ceil(K / 32) blocks, bytes [N, blocks * block bytes] uint8:
+#
+#   Q8_0  34 bytes: float16 d, 32 x int8 q                  w = d * q
+#   Q4_1  20 bytes: float16 d, float16 m, 16 bytes of q     w = d * q + m, q in [0, 15]
+#         (byte j: weight j in the low nibble, weight j + 16 in the high one)
+#
+# llama.cpp's layouts, so a GGUF file's tensors of these types serve as they are (no
+# dequantizing, no requantizing). Where K is not a multiple of 32 the last block is padded
+# (quantized zeros); the kernel pads the activations with zeros to match. The native kernel
+# (kernels/csrc/quant_matmul.cpp) dequantizes in registers: float32 activations, the same
+# weights as dequantize_gguf gives, only the float rounding order differs.
+
+GGUF_BLOCK = 32
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
+GGUF_KINDS = {"Q8_0": 0, "Q4_1": 1}  # the native op's ``kind``
+
+
+def _pad_blocks(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> float32 [N, blocks, 32]
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight.to(torch.float32), (0, -k % GGUF_BLOCK))
+    return padded.view(n, -1, GGUF_BLOCK)
+
+
+def _half_bytes(t: torch.Tensor) -> torch.Tensor:  # float16 [N, B] -> uint8 [N, B, 2]
+    return t.contiguous().view(torch.uint8).view(*t.shape, 2)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` float -> Q8_0 blocks ``[N, ceil(K / 32) * 34]`` uint8: per block,
+    d = max |w| / 127 (stored float16), q = round(w / d)."""
+    blocks = _pad_blocks(weight)
+    d = (blocks.abs().amax(dim=-1) / 127.0).to(torch.float16)
+    df = d.float()
+    q = torch.round(blocks / torch.where(df > 0, df, 1.0)[..., None]).clamp(-127, 127).to(torch.int8)
+    out = torch.cat((_half_bytes(d), q.view(torch.uint8)), dim=-1)
+    return out.view(weight.shape[0], -1).contiguous()
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` float -> Q4_1 blocks ``[N, ceil(K / 32) * 20]`` uint8: per block, m = min
+    and d = (max - min) / 15 (stored float16), q = round((w - m) / d) in [0, 15]."""
+    blocks = _pad_blocks(weight)
+    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    d, m = ((high - low) / 15.0).to(torch.float16), low.to(torch.float16)
+    df, mf = d.float(), m.float()
+    q = torch.round((blocks - mf[..., None]) / torch.where(df > 0, df, 1.0)[..., None]).clamp(0, 15)
+    q = q.to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    out = torch.cat((_half_bytes(d), _half_bytes(m), packed), dim=-1)
+    return out.view(weight.shape[0], -1).contiguous()
+
+
+def dequantize_gguf(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """GGUF blocks ``[N, row bytes]`` -> float32 ``[N, in_features]``, as llama.cpp's
+    reference computes them (a product, then a sum: no FMA)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, GGUF_BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, blocks, 1]
+    if qtype == "Q8_0":
+        w = b[..., 2:].contiguous().view(torch.int8).float() * d
+    else:
+        packed = b[..., 4:]
+        q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()
+        w = d * q + b[..., 2:4].contiguous().view(torch.float16).float()
+    return w.reshape(n, -1)[:, :in_features]
+
+
+def gguf_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:  # [M, N]
+    """Torch reference: ``x @ dequantize_gguf(blocks).T`` in float32, cast to x's dtype."""
+    w = dequantize_gguf(blocks, qtype, x.shape[1])
+    return (x.to(torch.float32) @ w.T).to(x.dtype)
+
+
+def gguf_matmul_native(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:  # [M, N]
+    """The native kernel (kernels/csrc/quant_matmul.cpp; needs kernels.native loaded)."""
+    y = torch.ops.splitserve.gguf_linear(x.to(torch.float32).contiguous(), blocks, GGUF_KINDS[qtype])
+    return y.to(x.dtype)

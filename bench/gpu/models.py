@@ -67,7 +67,7 @@ def device_weights(shape: LlamaShape, dtype: torch.dtype, device: torch.device, 
 @contextmanager
 def weights_made_on_device(weights: dict[str, torch.Tensor]) -> Iterator[None]:
     """While open, an engine built on a config-only checkpoint takes ``weights`` (once)."""
-    def load(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def load(path: str, dtype: torch.dtype, keep: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
         taken = dict(weights)
         weights.clear()  # the model pops what it uses: no second reference keeps 16 GB alive
         return {name: t.to(dtype) for name, t in taken.items()}

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.models.gguf_reader import GGUFFile, gguf_config, open_gguf
+from engine.quant.linear import BlockWeight
 
 # Tensor types this loader reads; each is covered by tests/engine/test_gguf_loader.py.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -114,18 +115,32 @@ def dequantize_blocks(data: np.ndarray, qtype: str) -> torch.Tensor:  # uint8 [.
     return (scale * values + blocks[:, 2:4].contiguous().view(torch.float16).float()).flatten()
 
 
-def load_gguf_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, renamed, dequantized, q/k rows restored, cast to ``dtype``."""
+def load_gguf_weights(
+    path: str, dtype: torch.dtype, keep: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor | BlockWeight]:
+    """Every tensor of the file, renamed, dequantized, q/k rows restored, cast to ``dtype``;
+    a tensor whose type is in ``keep`` (Q8_0, Q4_1) stays in its blocks, a
+    :class:`BlockWeight` (its rows restored the same way)."""
     gf = open_gguf(path)
     config = gguf_config(path)  # checks the architecture first
     check_tensor_types(gf)
     permuted = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | BlockWeight] = {}
     for tensor in gf.reader.tensors:
         name = hf_name(tensor.name)
-        values = dequantize(tensor)
+        kept = tensor.tensor_type.name in keep and len(tensor.shape) == 2
+        values = _block_rows(tensor) if kept else dequantize(tensor)
         proj = name.split(".")[-2]
         if gf.architecture == "llama" and proj in permuted:
             values = unpermute_rope_rows(values, permuted[proj])
-        weights[name] = torch.from_numpy(values).to(dtype)
+        if kept:
+            in_features = int(tensor.shape[0])
+            weights[name] = BlockWeight(tensor.tensor_type.name, torch.from_numpy(values), in_features)
+        else:
+            weights[name] = torch.from_numpy(values).to(dtype)
     return weights
+
+
+def _block_rows(tensor: object) -> np.ndarray:  # uint8 [out_features, row bytes], a copy
+    rows = int(tensor.shape[1])  # type: ignore[attr-defined]
+    return np.array(tensor.data, dtype=np.uint8).reshape(rows, -1)  # type: ignore[attr-defined]

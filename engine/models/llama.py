@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from engine.models.linear import Linear
 from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
-from engine.quant.linear import LinearLayer, WeightQuant, linear_factory, lm_head_linear
+from engine.quant.linear import BlockWeight, LinearLayer, WeightQuant, as_dense, cat_rows, linear_factory, lm_head_linear
 from kernels import ops
 
 
@@ -74,25 +74,26 @@ class LlamaModel:
         self._build_rope_cache(inv_freq, attn_scaling, max_model_len)
 
     # -- weights -----------------------------------------------------------------------
-    def _take(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def _take(self, weights: dict[str, Any], name: str) -> Any:  # a tensor or a BlockWeight
         if name not in weights:
             raise ValueError(f"model: checkpoint has no tensor {name!r}")
         return weights.pop(name).to(self.device).contiguous()
 
-    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+    def _load(self, weights: dict[str, torch.Tensor | BlockWeight]) -> None:
         spec = self.spec
-        self.embed = self._take(weights, "model.embed_tokens.weight")
+        embed = self._take(weights, "model.embed_tokens.weight")  # a BlockWeight: kept for the head
+        self.embed = as_dense(embed, weights["model.norm.weight"].dtype)
         self.dtype = self.embed.dtype
         self.layers = [self._load_layer(weights, i) for i in range(spec.num_layers)]
         self.final_norm = self._take(weights, "model.norm.weight")
         if spec.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = lm_head_linear(self.embed, self.quant, dense=Linear)
+            self.lm_head = lm_head_linear(embed, self.quant, dense=Linear)
         else:
             self.lm_head = lm_head_linear(self._take(weights, "lm_head.weight"), self.quant, dense=Linear)
 
     def _load_layer(self, w: dict[str, torch.Tensor], i: int) -> _Layer:
         p = f"model.layers.{i}."
-        qkv = torch.cat([self._take(w, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        qkv = cat_rows([self._take(w, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         bias = None
         if self.spec.qkv_bias:
             bias = torch.cat([self._take(w, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
@@ -105,7 +106,7 @@ class LlamaModel:
             o=self._linear(self._take(w, p + "self_attn.o_proj.weight"), None),
             post_norm=self._take(w, p + "post_attention_layernorm.weight"),
             gate_up=self._linear(
-                torch.cat([self._take(w, p + "mlp.gate_proj.weight"), self._take(w, p + "mlp.up_proj.weight")]),
+                cat_rows([self._take(w, p + "mlp.gate_proj.weight"), self._take(w, p + "mlp.up_proj.weight")]),
                 None,
             ),
             down=self._linear(self._take(w, p + "mlp.down_proj.weight"), None),

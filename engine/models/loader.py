@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -14,10 +15,16 @@ from engine.models.spec import read_config, require_dir
 def load_hf_config(path: str) -> Any:
     """The checkpoint's ``transformers`` config (RoPE variants need it), architecture checked."""
     raw = read_config(path)
-    from transformers import AutoConfig
-
     if is_gguf(path):
+        rope = raw.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") == "default" and "rope_theta" in rope:
+            # All the default RoPE reads (rope_inv_freq); importing transformers for it was
+            # most of a worker's cold start on a busy machine.
+            return SimpleNamespace(**raw)
+        from transformers import AutoConfig
+
         return AutoConfig.for_model(**raw)
+    from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(require_dir(path)))
 
@@ -37,13 +44,14 @@ def rope_inv_freq(cfg: Any) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
-def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(path: str, dtype: torch.dtype, keep: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Every tensor of the checkpoint (single file or sharded with an index; or a GGUF
-    file, dequantized), cast to dtype."""
+    file, dequantized except the types in ``keep``: engine.quant.linear.kept_gguf_types),
+    cast to dtype."""
     if is_gguf(path):
         from engine.models.gguf_weights import load_gguf_weights
 
-        return load_gguf_weights(path, dtype)
+        return load_gguf_weights(path, dtype, keep)
     from safetensors.torch import load_file
 
     root = require_dir(path)

@@ -1,11 +1,20 @@
-"""Linear layers whose weight is quantized once at load: ``--quantization int8`` (per output
-channel) or ``int4`` (grouped along the input, ``--quant-group-size``). Formats and kernels:
-kernels/quant_matmul.py (CPU: PyTorch's packed kernels; CUDA: kernels/quant_matmul_triton.py).
+"""Linear layers whose weight is quantized once at load: ``--quantization int8`` or ``int4``
+(grouped along the input, ``--quant-group-size``). Formats and kernels: kernels/quant_matmul.py.
+
+On CPU with the native kernels (kernels/csrc/quant_matmul.cpp), weights are llama.cpp's
+blocks of 32 (:class:`GGUFLinear`): int8 is Q8_0, int4 with group size 32 is Q4_1, and a
+GGUF file's tensors already in that type are kept as the file stores them
+(:func:`kept_gguf_types`: the loader hands them over as :class:`BlockWeight`, never
+dequantized and requantized, so the model computes with the file's exact weights). Other
+group sizes run PyTorch's packed int4 kernel; on CUDA the Triton kernels
+(kernels/quant_matmul_triton.py, int8 per output channel); without native kernels the
+torch references.
 
 What is quantized (``LlamaModel``): every projection of every layer (qkv, o, gate/up,
-down). The LM head is quantized to int8 per channel in both modes (int4 costs it the most
-quality for the least speed: it is one matrix), and the token embeddings stay in the
-model's dtype (a lookup reads a few rows, not the matrix).
+down). The LM head is int8 in both modes (int4 costs it the most quality for the least
+speed: it is one matrix): Q8_0 on CPU (a GGUF file's Q8_0 embedding kept), per output
+channel elsewhere. The token embeddings stay in the model's dtype (a lookup reads a few
+rows, not the matrix).
 
 Each layer object is called like a linear, ``layer(x [rows, in]) -> [rows, out]``, the same
 interface as the dense one, so the forward does not know which it runs.
@@ -21,6 +30,7 @@ import torch.nn.functional as F
 
 from kernels import quant_matmul as qm
 from kernels._triton_compat import HAS_TRITON
+from kernels.native import native_kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -109,23 +119,117 @@ class Int4Linear:
         return y if self.bias is None else y + self.bias
 
 
+@dataclass(frozen=True)
+class BlockWeight:
+    """A weight ``[out_features, in_features]`` kept in GGUF blocks (kernels/quant_matmul.py):
+    what the loader hands over for a tensor of a type in :func:`kept_gguf_types`."""
+
+    qtype: str  # "Q8_0" | "Q4_1"
+    blocks: torch.Tensor  # [out_features, row bytes] uint8
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.in_features
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32
+        return qm.dequantize_gguf(self.blocks, self.qtype, self.in_features)
+
+    def to(self, device: torch.device) -> BlockWeight:
+        return BlockWeight(self.qtype, self.blocks.to(device), self.in_features)
+
+    def contiguous(self) -> BlockWeight:
+        return BlockWeight(self.qtype, self.blocks.contiguous(), self.in_features)
+
+
+def cat_rows(weights: list[torch.Tensor | BlockWeight]) -> torch.Tensor | BlockWeight:
+    """Stack weights along out_features (fused qkv, gate/up); blocks stay blocks where all
+    share one type, else every part is dequantized."""
+    first = weights[0]
+    if isinstance(first, BlockWeight) and all(
+        isinstance(w, BlockWeight) and w.qtype == first.qtype and w.in_features == first.in_features for w in weights
+    ):
+        return BlockWeight(first.qtype, torch.cat([w.blocks for w in weights]), first.in_features)  # type: ignore[union-attr]
+    return torch.cat([as_dense(w) for w in weights])
+
+
+def as_dense(weight: torch.Tensor | BlockWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if isinstance(weight, BlockWeight):
+        return weight.dequantize().to(dtype or torch.float32)
+    return weight
+
+
+def native_blocks(device: torch.device) -> bool:
+    """True where the block kernels serve: CPU, native library loaded."""
+    return device.type == "cpu" and native_kernels().available
+
+
+def kept_gguf_types(quant: WeightQuant | None, device: torch.device) -> frozenset[str]:
+    """The GGUF tensor types the loader keeps as blocks for this quantization."""
+    if quant is None or not native_blocks(device):
+        return frozenset()
+    if quant.method == "int4" and quant.group_size == qm.GGUF_BLOCK:
+        return frozenset(("Q8_0", "Q4_1"))
+    return frozenset(("Q8_0",))  # the LM head, and int8 projections
+
+
+class GGUFLinear:
+    """A weight in GGUF blocks (Q8_0, Q4_1): the native kernel, else the torch reference
+    on the weight dequantized once."""
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.qtype, self.blocks = weight.qtype, weight.blocks
+        self.native = native_blocks(weight.blocks.device)
+        self._dense = None if self.native else weight.dequantize()
+        self.nbytes = self.blocks.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if self._dense is not None:
+            y = F.linear(x.to(torch.float32), self._dense).to(x.dtype)
+        else:
+            y = qm.gguf_matmul_native(x, self.blocks, self.qtype)
+        return y if self.bias is None else y + self.bias
+
+
+def _block_linear(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None, qtype: str) -> GGUFLinear:
+    """``weight`` in ``qtype`` blocks: kept where it already is, else quantized from floats."""
+    if isinstance(weight, BlockWeight) and weight.qtype == qtype:
+        return GGUFLinear(weight, bias)
+    dense = as_dense(weight)
+    quantize = qm.quantize_q8_0 if qtype == "Q8_0" else qm.quantize_q4_1
+    return GGUFLinear(BlockWeight(qtype, quantize(dense), dense.shape[1]), bias)
+
+
 LinearLayer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def linear_factory(
     quant: WeightQuant | None, dense: Callable[..., LinearLayer] = DenseLinear
-) -> Callable[[torch.Tensor, torch.Tensor | None], LinearLayer]:
+) -> Callable[[torch.Tensor | BlockWeight, torch.Tensor | None], LinearLayer]:
     """What builds a layer's projections: ``dense`` unquantized, else the quantized kind.
     A weight the kernel cannot take is a ``ValueError`` naming the shape, at load."""
     if quant is None:
-        return lambda weight, bias=None: dense(weight, bias)
-    if quant.method == "int8":
-        return lambda weight, bias=None: Int8Linear(weight, bias)
-    return lambda weight, bias=None: Int4Linear(weight, bias, quant.group_size)
+        return lambda weight, bias=None: dense(as_dense(weight), bias)
+
+    def build(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None) -> LinearLayer:
+        device = weight.blocks.device if isinstance(weight, BlockWeight) else weight.device
+        if native_blocks(device) and (quant.method == "int8" or quant.group_size == qm.GGUF_BLOCK):
+            return _block_linear(weight, bias, "Q8_0" if quant.method == "int8" else "Q4_1")
+        if quant.method == "int8":
+            return Int8Linear(as_dense(weight), bias)
+        return Int4Linear(as_dense(weight), bias, quant.group_size)
+
+    return build
 
 
 def lm_head_linear(
-    weight: torch.Tensor, quant: WeightQuant | None, dense: Callable[..., LinearLayer] = DenseLinear
+    weight: torch.Tensor | BlockWeight, quant: WeightQuant | None, dense: Callable[..., LinearLayer] = DenseLinear
 ) -> LinearLayer:
-    """The LM head: int8 per channel whenever weights are quantized (module docstring)."""
-    return dense(weight, None) if quant is None else Int8Linear(weight, None)
+    """The LM head: int8 whenever weights are quantized (module docstring); a weight the
+    loader kept in its file's blocks stays in them."""
+    if quant is None:
+        return dense(as_dense(weight), None)
+    if isinstance(weight, BlockWeight):  # kept from the file (kept_gguf_types): as it is
+        return GGUFLinear(weight, None)
+    return _block_linear(weight, None, "Q8_0") if native_blocks(weight.device) else Int8Linear(weight, None)

@@ -30,6 +30,7 @@
 
 #include "attention_plan.h"
 #include "attention_scores.h"
+#include "int8_kv.h"
 #include "paged_attention_args.h"
 
 namespace splitserve {
@@ -46,10 +47,14 @@ struct Call {  // one call's tensors as raw pointers and element strides
   scalar_t* out;  // [num_tokens, num_heads, head_dim], contiguous
   const int64_t* block_tables;
   PagedGeometry g;
+  // An int8 cache (kernels/kv_int8.py; k and v are then null): rows of head_dim int8 values
+  // and their float32 scale, dequantized chunk by chunk into scratch (int8_kv.h).
+  const int8_t* k8 = nullptr;
+  const int8_t* v8 = nullptr;
 };
 
 struct Scratch {  // per thread, reused across calls
-  std::vector<float> q, acc, kt, vrows, m, l;
+  std::vector<float> q, acc, kt, vrows, krows, m, l;
   float s[kChunk];
 
   void reserve(int64_t max_rows, int64_t head_dim) {
@@ -57,6 +62,7 @@ struct Scratch {  // per thread, reused across calls
     acc.resize(max_rows * head_dim);
     kt.resize(head_dim * kChunk);
     vrows.resize(kChunk * head_dim);
+    krows.resize(kChunk * head_dim);
     m.resize(max_rows);
     l.resize(max_rows);
   }
@@ -173,9 +179,20 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
     const int n = static_cast<int>(
         std::min<int64_t>({kChunk, g.block_size - offset, static_cast<int64_t>(w.key_end - pos)}));
     const int64_t page = pages[pos / g.block_size];
-    const scalar_t* kp = c.k + page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head;
-    const scalar_t* vp = c.v + page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head;
-    if (pos + n < w.key_end) {
+    const int64_t k_at = page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head;
+    const int64_t v_at = page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head;
+    const scalar_t* kp = c.k8 != nullptr ? nullptr : c.k + k_at;
+    const scalar_t* vp = c.k8 != nullptr ? nullptr : c.v + v_at;
+    int64_t k_slot = g.k_slot;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (c.k8 != nullptr) {  // int8 rows -> float rows of head_dim in scratch
+        dequantize_rows(c.k8 + k_at, g.k_slot, n, D, sc.krows.data());
+        dequantize_rows(c.v8 + v_at, g.v_slot, n, D, sc.vrows.data());
+        kp = sc.krows.data();
+        k_slot = D;
+      }
+    }
+    if (c.k8 == nullptr && pos + n < w.key_end) {
       const int64_t next = pos + n;
       const int n_next = static_cast<int>(std::min<int64_t>({kChunk, g.block_size - next % g.block_size, static_cast<int64_t>(w.key_end - next)}));
       const int64_t next_page = pages[next / g.block_size];
@@ -183,16 +200,16 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
       prefetch_rows(c.k + next_page * g.k_block + next_off * g.k_slot + w.kv_head * g.k_head, g.k_slot, n_next, D * sizeof(scalar_t));
       prefetch_rows(c.v + next_page * g.v_block + next_off * g.v_slot + w.kv_head * g.v_head, g.v_slot, n_next, D * sizeof(scalar_t));
     }
-    if (!direct) transpose_keys(kp, g.k_slot, n, D, sc.kt.data());
-    int64_t v_stride = 0;
-    const float* vf = value_rows(vp, g.v_slot, n, D, sc, v_stride);
+    if (!direct) transpose_keys(kp, k_slot, n, D, sc.kt.data());
+    int64_t v_stride = D;
+    const float* vf = c.k8 != nullptr ? sc.vrows.data() : value_rows(vp, g.v_slot, n, D, sc, v_stride);
     for (int r = 0; r < rows; ++r) {
       // Row r is token r / group, at position pos_begin + r / group: it sees keys up to it.
       const int nv = std::min(n, w.pos_begin + r / static_cast<int>(g.group) - pos + 1);
       if (nv <= 0) continue;
       if constexpr (kDirect) {
         if (direct) {
-          scores_direct<kD>(sc.q.data() + r * D, reinterpret_cast<const float*>(kp), g.k_slot, n, sc.s);
+          scores_direct<kD>(sc.q.data() + r * D, reinterpret_cast<const float*>(kp), k_slot, n, sc.s);
         } else {
           scores_transposed<kD>(sc.q.data() + r * D, sc.kt.data(), D, sc.s);
         }
@@ -314,6 +331,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (query.size(0) == 0) return out;
   const AttentionPlan plan = make_attention_plan(args.plan_inputs(at::get_num_threads()));
+  if (k_cache.scalar_type() == at::kChar) {  // int8 cache, float32 queries (checked)
+    Call<float> call{args.query.data_ptr<float>(), nullptr, nullptr, out.data_ptr<float>(),
+                     args.block_tables.data_ptr<int64_t>(), args.geometry};
+    call.k8 = k_cache.data_ptr<int8_t>();
+    call.v8 = v_cache.data_ptr<int8_t>();
+    dispatch_head_dim(call, plan);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
     const Call<scalar_t> call{args.query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                               v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),

@@ -1,5 +1,7 @@
 #include "paged_attention_args.h"
 
+#include <string>
+
 #include <algorithm>
 
 #include <ATen/ops/contiguous.h>
@@ -24,12 +26,18 @@ void check_shapes(const at::Tensor& query, const at::Tensor& k_cache, const at::
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
                     "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
                     "head_dim], got ", k_cache.sizes(), " and ", v_cache.sizes());
-  TORCH_CHECK_VALUE(k_cache.size(3) == query.size(2), "query head_dim ", query.size(2),
-                    " != cache head_dim ", k_cache.size(3));
+  // An int8 cache (kernels/kv_int8.py): rows of head_dim int8 values and a float32 scale.
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const int64_t row = int8 ? query.size(2) + 4 : query.size(2);
+  TORCH_CHECK_VALUE(k_cache.size(3) == row, "query head_dim ", query.size(2),
+                    (int8 ? " needs int8 cache rows of head_dim + 4 = " : " != cache head_dim "), row,
+                    (int8 ? ", got " : ""), (int8 ? std::to_string(k_cache.size(3)) : ""));
+  TORCH_CHECK_VALUE(!int8 || (query.scalar_type() == at::kFloat && query.size(2) % 4 == 0),
+                    "an int8 KV cache needs float32 queries and head_dim a multiple of 4");
   TORCH_CHECK_VALUE(k_cache.size(2) > 0 && query.size(1) % k_cache.size(2) == 0, "num_heads ",
                     query.size(1), " is not a multiple of num_kv_heads ", k_cache.size(2));
-  TORCH_CHECK_VALUE(query.scalar_type() == k_cache.scalar_type() &&
-                        query.scalar_type() == v_cache.scalar_type(),
+  TORCH_CHECK_VALUE((int8 || query.scalar_type() == k_cache.scalar_type()) &&
+                        k_cache.scalar_type() == v_cache.scalar_type(),
                     "query/k_cache/v_cache dtypes differ: ", query.scalar_type(), ", ",
                     k_cache.scalar_type(), ", ", v_cache.scalar_type());
   const int64_t num_seqs = seq_lens.size(0);

@@ -31,7 +31,7 @@ def test_settings_the_model_cannot_take_fail_at_load(ckpt_dir: Callable[..., Pat
     with pytest.raises(ValueError, match="group size 128 does not divide in_features=64"):
         make_engine(ckpt_dir("llama"), quantization="int4", quant_group_size=128)
     with pytest.raises(ValueError, match="multiple of 16, got 200"):  # gate/up: 2 x 100 rows
-        make_engine(ckpt_dir("llama", intermediate_size=100), quantization="int4")
+        make_engine(ckpt_dir("llama", intermediate_size=100), quantization="int4", quant_group_size=64)
     with pytest.raises(ValueError, match="head_dim to be a multiple of 4"):  # 72 / 4 heads = 18
         make_engine(ckpt_dir("llama", hidden_size=72), kv_cache_dtype="int8")
 

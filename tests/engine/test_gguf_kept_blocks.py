@@ -1,0 +1,70 @@
+"""A GGUF file's Q4_1 / Q8_0 tensors kept as blocks under --quantization (engine/quant/linear.py):
+the loader hands over exactly the file's weights, and the quantized engine computes with them,
+so its greedy tokens equal the float32 engine's on the same file (only float rounding order
+differs: logprobs within a tolerance). And the GGUF config path of a cold start."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.models.loader import load_weights
+from engine.quant.linear import BlockWeight, GGUFLinear
+from kernels.native import native_kernels
+from tests.engine.gguf_files import checkpoint_to_gguf
+
+needs_native = pytest.mark.skipif(not native_kernels().available, reason="block weights are kept only with the native kernels")
+PROMPTS = [[5, 17, 300, 42, 7, 99, 1, 250], list(range(40, 75)), [3] * 20]
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_kept_blocks_are_the_files_weights(qtype: str, tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
+    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype=qtype))
+    dense = load_weights(path, torch.float32)
+    kept = load_weights(path, torch.float32, frozenset((qtype,)))
+    assert set(kept) == set(dense)
+    blocks = {name: w for name, w in kept.items() if isinstance(w, BlockWeight)}
+    assert blocks and all(name.endswith(".weight") for name in blocks)
+    assert len(blocks) == sum(t.dim() == 2 for t in dense.values())  # every matrix, q/k rows restored
+    for name, w in blocks.items():
+        assert torch.equal(w.dequantize(), dense[name]), name
+
+
+@needs_native
+@pytest.mark.parametrize(("qtype", "kw"), [("Q4_1", dict(quantization="int4", quant_group_size=32)),
+                                           ("Q8_0", dict(quantization="int8"))])
+def test_quantized_engine_on_kept_blocks_equals_float32(qtype: str, kw: dict, tmp_path: Path,
+                                                        ckpt_dir: Callable[..., Path]) -> None:
+    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype=qtype))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    quant = Engine(EngineConfig(model=path, num_kv_blocks=64, **kw))
+    layer = quant.runner.model.layers[0]
+    assert isinstance(layer.qkv, GGUFLinear) and layer.qkv.qtype == qtype
+    assert isinstance(quant.runner.model.lm_head, GGUFLinear) and quant.runner.model.lm_head.qtype == qtype
+    want = Engine(EngineConfig(model=path, num_kv_blocks=64)).generate(PROMPTS, params)
+    got = quant.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-4)
+
+
+def test_default_rope_of_a_gguf_file_needs_no_transformers_config(tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
+    # Cold start: transformers' AutoConfig import took most of a worker's start on a busy
+    # machine; the default RoPE is computed from the file's own config, the same frequencies.
+    from transformers import AutoConfig
+
+    from engine.models.loader import load_hf_config, rope_inv_freq
+    from engine.models.spec import read_config
+
+    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf"))
+    light = load_hf_config(path)
+    assert not hasattr(light, "to_dict")  # not a transformers config
+    want = rope_inv_freq(AutoConfig.for_model(**read_config(path)))
+    got = rope_inv_freq(light)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]

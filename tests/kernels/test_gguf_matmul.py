@@ -1,0 +1,151 @@
+"""GGUF block formats (Q8_0, Q4_1) and the native block linear (kernels/csrc/quant_matmul.cpp)
+against the torch reference, for every native library this CPU runs; the native int8-KV
+attention and write against their references (kernels/kv_int8.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.models.gguf_weights import dequantize_blocks
+from kernels import kv_int8, ops
+from kernels import quant_matmul as qm
+from kernels.native import native_kernels
+from kernels.paged_attention_ref import paged_attention_ref
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+QTYPES = ("Q8_0", "Q4_1")
+needs_native = pytest.mark.skipif(not native_kernels().available, reason="native kernels not loaded")
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    return qm.quantize_q8_0(w) if qtype == "Q8_0" else qm.quantize_q4_1(w)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_round_trip_error_is_at_most_half_a_step(qtype: str) -> None:
+    w = _weight(8, 96)
+    blocks = _quantize(w, qtype)
+    assert blocks.shape == (8, 3 * qm.GGUF_BLOCK_BYTES[qtype]) and blocks.dtype == torch.uint8
+    d = blocks.view(8, 3, -1)[..., 0:2].contiguous().view(torch.float16).float()  # [8, 3, 1]
+    err = (qm.dequantize_gguf(blocks, qtype, 96) - w).abs().view(8, 3, 32)
+    assert bool((err <= d * 0.5 + 1e-3 * d + 1e-7).all())  # half a step (float16 d rounds)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_is_the_gguf_loaders_bit_for_bit(qtype: str) -> None:
+    # Random bytes as blocks (finite float16 d and m): the layout is llama.cpp's, as the loader reads it.
+    rng = np.random.default_rng(3)
+    blocks = torch.from_numpy(rng.integers(0, 256, size=(6, 4 * qm.GGUF_BLOCK_BYTES[qtype]), dtype=np.uint8))
+    halves = 1 if qtype == "Q8_0" else 2
+    scales = torch.from_numpy(rng.standard_normal((6, 4, halves)).astype(np.float16)).view(torch.uint8)
+    blocks.view(6, 4, -1)[..., : 2 * halves] = scales.view(6, 4, 2 * halves)
+    want = dequantize_blocks(blocks.numpy(), qtype).view(6, 128)
+    assert torch.equal(qm.dequantize_gguf(blocks, qtype, 128), want)
+
+
+# (N, K): the 135M model's projections, K not a multiple of 32, one block, odd N.
+SHAPES = [(960, 576), (576, 1536), (7, 100), (33, 32), (5, 45)]
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 64])
+def test_native_matches_the_reference(qtype: str, n: int, k: int, m: int) -> None:
+    blocks = _quantize(_weight(n, k), qtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    want = qm.gguf_matmul_ref(x, blocks, qtype)
+    got = qm.gguf_matmul_native(x, blocks, qtype)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_native_weights_are_exactly_the_dequantized_ones(qtype: str) -> None:
+    # One-hot activations read single weights: the integer part and d, m are exact.
+    blocks = _quantize(_weight(37, 70), qtype)
+    got = qm.gguf_matmul_native(torch.eye(70), blocks, qtype)
+    assert torch.equal(got, qm.dequantize_gguf(blocks, qtype, 70).T)
+
+
+@needs_native
+def test_native_refuses_blocks_that_do_not_match_x() -> None:
+    blocks = qm.quantize_q4_1(_weight(4, 64))
+    with pytest.raises(ValueError, match="blocks rows need 60 bytes, got 40"):
+        torch.ops.splitserve.gguf_linear(torch.zeros(1, 96), blocks, 1)
+    with pytest.raises(ValueError, match="kind must be 0"):
+        torch.ops.splitserve.gguf_linear(torch.zeros(1, 64), blocks, 7)
+
+
+_VARIANT_CHECK = """
+import torch
+from kernels import quant_matmul as qm
+from kernels.native import native_kernels
+assert native_kernels().variant == {variant!r}, native_kernels()
+g = torch.Generator().manual_seed(0)
+for qtype in ("Q8_0", "Q4_1"):
+    for n, k, m in ((960, 576, 1), (576, 1536, 5), (7, 100, 64)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        blocks = qm.quantize_q8_0(w) if qtype == "Q8_0" else qm.quantize_q4_1(w)
+        x = torch.randn(m, k, generator=g)
+        want = qm.gguf_matmul_ref(x, blocks, qtype)
+        torch.testing.assert_close(qm.gguf_matmul_native(x, blocks, qtype), want, rtol=1e-5,
+                                   atol=1e-5 * float(want.abs().max()))
+        assert torch.equal(qm.gguf_matmul_native(torch.eye(k), blocks, qtype),
+                           qm.dequantize_gguf(blocks, qtype, k).T)
+print("ok")
+"""
+
+
+def _variants() -> list[str]:
+    return ["avx512", "avx2"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else ["avx2"]
+
+
+@needs_native
+@pytest.mark.parametrize("variant", _variants())
+def test_each_isa_variant_matches_the_reference(variant: str) -> None:
+    env = {**os.environ, "SPLITSERVE_CPU_ISA": variant, "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-c", _VARIANT_CHECK.format(variant=variant)], env=env,
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+# -- the int8 KV cache, natively --------------------------------------------------------
+
+
+@needs_native
+@pytest.mark.parametrize(("q_lens", "seq_lens"), [([1] * 5, [1, 17, 40, 64, 100]), ([9, 1, 30], [9, 50, 45])])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_native_int8_attention_matches_the_dequantized_reference(paged_batch, q_lens, seq_lens, head_dim) -> None:
+    batch = paged_batch(q_lens, seq_lens, block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=head_dim)
+    k8, v8 = kv_int8.quantize_kv(batch.k_cache), kv_int8.quantize_kv(batch.v_cache)
+    meta = (batch.block_tables, batch.seq_lens, batch.query_start_loc, head_dim**-0.5)
+    got = torch.ops.splitserve.paged_attention(batch.query, k8, v8, *meta)
+    want = kv_int8.paged_attention_int8_ref(batch.query, k8, v8, *meta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ops.paged_attention(batch.query, k8, v8, *meta), got)  # ops routes here
+
+
+@needs_native
+def test_native_int8_write_is_the_references_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(5)
+    key, value = torch.randn(6, 3, 64, generator=g), torch.randn(6, 3, 64, generator=g)
+    key[2] = 0.0  # an all-zero row: scale 0
+    slots = torch.tensor([0, 9, 33, -1, 31, 12])
+    want = [torch.zeros(4, 16, 3, 68, dtype=torch.int8) for _ in range(2)]
+    got = [torch.zeros(4, 16, 3, 68, dtype=torch.int8) for _ in range(2)]
+    kv_int8.write_kv_int8_ref(key, value, *want, slots)
+    torch.ops.splitserve.write_kv_int8(key, value, *got, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

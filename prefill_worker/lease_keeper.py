@@ -46,10 +46,9 @@ async def keep_lease(stub: Callable[[], decode_pb2_grpc.DecodeWorkerStub], targe
     num_granted = 0
     while True:
         mark = progress()
-        if mark != seen:
-            seen = mark
+        if mark != seen:  # a failed renewal leaves ``seen`` as it was: tried again at the next tick
             try:
-                grant = await stub().RenewLease(renewal, timeout=min(timeout_s, max(interval, 1.0)))
+                grant = await stub().RenewLease(renewal, timeout=min(timeout_s, max(3 * interval, 2.0)))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _FINAL:
                     log.info("prefill.lease_gone", transfer_id=target.transfer_id, code=exc.code().name)
@@ -58,6 +57,7 @@ async def keep_lease(stub: Callable[[], decode_pb2_grpc.DecodeWorkerStub], targe
             else:
                 if not grant.lease_ms_left:
                     return num_granted  # the pages are all written: no lease applies
+                seen = mark
                 num_granted += 1
                 interval = max(grant.lease_ms_left / 3000.0, MIN_INTERVAL_S)
         await asyncio.sleep(interval)

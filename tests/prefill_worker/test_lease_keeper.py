@@ -1,6 +1,7 @@
 """The prefill worker's keep-alive for its decode reservation (``prefill_worker/lease_keeper.py``,
-#25): it renews only while this worker makes progress, stops when the decode worker says the
-reservation ended or no lease applies, and tries again after a transient failure."""
+#25): it renews while this worker makes progress (and not once it made none for the stall
+bound), stops when the decode worker says the reservation ended or no lease applies, and
+tries again after a transient failure."""
 
 from __future__ import annotations
 
@@ -53,13 +54,26 @@ def test_it_renews_while_the_worker_makes_progress_and_names_the_reservation() -
     asyncio.run(run())
 
 
-def test_a_stalled_worker_renews_once_and_then_nothing() -> None:
+def test_a_stalled_worker_stops_renewing_and_starts_again_when_it_moves() -> None:
     async def run() -> None:
-        decode = FakeDecode([])
-        keeper = asyncio.ensure_future(keep_lease(lambda: decode, TARGET, lambda: 0, 5.0))  # type: ignore[arg-type,return-value]
+        decode, steps, moving = FakeDecode([]), [0], [True]
+
+        def progress() -> int:
+            steps[0] += moving[0]  # a step between every two looks while moving
+            return steps[0]
+
+        keeper = asyncio.ensure_future(keep_lease(lambda: decode, TARGET, progress, 5.0, stall_s=0.05))  # type: ignore[arg-type,return-value]
+        while len(decode.calls) < 3:
+            await asyncio.sleep(0.005)
+        moving[0] = False
+        await asyncio.sleep(0.15)  # past the stall bound
+        stalled = len(decode.calls)
         await asyncio.sleep(0.2)  # twenty renewal intervals of a 30 ms lease
+        assert len(decode.calls) == stalled  # no progress for stall_s: no renewal
+        moving[0] = True  # the engine steps again
+        while len(decode.calls) == stalled:
+            await asyncio.sleep(0.005)
         keeper.cancel()
-        assert len(decode.calls) == 1  # the one at the start; then no progress, no renewal
 
     asyncio.run(run())
 
@@ -74,10 +88,10 @@ def test_it_stops_when_the_pages_are_in_or_the_reservation_is_gone(final: int | 
     asyncio.run(run())
 
 
-def test_a_transient_failure_is_tried_again_without_waiting_for_progress() -> None:
+def test_a_transient_failure_is_tried_again_at_the_next_tick() -> None:
     async def run() -> None:
         decode = FakeDecode([grpc.StatusCode.UNAVAILABLE, 0])
         num_granted = await asyncio.wait_for(keep_lease(lambda: decode, TARGET, lambda: 0, 5.0), 5)  # type: ignore[arg-type,return-value]
-        assert num_granted == 0 and len(decode.calls) == 2  # the retry came with no progress at all
+        assert num_granted == 0 and len(decode.calls) == 2
 
     asyncio.run(run())

@@ -73,7 +73,8 @@ def export_hf(gguf: Path, out: Path) -> Path:
 
 
 def scrape(port: int) -> dict[str, float]:
-    """A Prometheus endpoint's samples, summed over label sets by metric name."""
+    """A Prometheus endpoint's samples, summed over label sets by metric name (and by
+    ``name:failed`` over those labelled ``outcome="failed"``)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -81,6 +82,8 @@ def scrape(port: int) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             key = name.split("{", 1)[0]
             values[key] = values.get(key, 0.0) + float(value)
+            if 'outcome="failed"' in name:  # e.g. splitserve_kv_transfers_total:failed
+                values[f"{key}:failed"] = values.get(f"{key}:failed", 0.0) + float(value)
     return values
 
 
@@ -153,7 +156,7 @@ def _port_free(port: int) -> bool:
 def _counter_deltas(before: dict, after: dict) -> dict[str, float]:
     names = {"leases_expired": ("decode", "splitserve_kv_leases_expired_total"),
              "lease_renewals": ("decode", "splitserve_kv_lease_renewals_total"),
-             "failed_transfers": ("decode", "splitserve_kv_transfers_total"),
+             "failed_transfers": ("decode", "splitserve_kv_transfers_total:failed"),
              "failed_legs": ("gateway", "splitserve_leg_failures_total"),
              "retries": ("gateway", "splitserve_request_retries_total"),
              "admission_refused": ("gateway", "splitserve_admission_refused_total"),
@@ -163,7 +166,7 @@ def _counter_deltas(before: dict, after: dict) -> dict[str, float]:
 
 def run_vllm(hf: Path, args: argparse.Namespace, out_dir: Path) -> dict:
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2",
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2", VLLM_TARGET_DEVICE="cpu",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     cmd = [str(args.vllm_python), str(VLLM_CLI), "serve", str(hf), "--served-model-name", "smollm2-f32",
            "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048",

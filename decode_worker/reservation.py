@@ -17,6 +17,13 @@ only record of a KV hand-off here, with the only state machine::
 * FAILED: the pages will not be used; the engine thread frees the blocks once (the engine's
   request ends FINISHED_ABORTED; ``ReservationTable``). ``error`` holds the first reason.
 
+The lease (``lease_deadline``) ends a reservation only before its pages are all written
+(``expire``). ``renew`` is the one change that is not a phase transition: while RESERVED or
+RECEIVING, the prefill worker computing its pages (``RenewLease``) moves the deadline to a
+full lease from now, never past ``granted_at`` + the hold cap, and never once the lease ran
+out (the engine thread frees it at its next tick). A prefill worker that dies or stalls
+stops renewing, and the lease runs out as before.
+
 Every transition is a method that holds ``lock``, the lock page writes hold too, so a lease
 expiring on the engine thread, an announce on the event loop and a page landing on the
 receiver thread see one state each and one order: a transition the diagram does not draw
@@ -78,12 +85,17 @@ class Reservation:
     recv_started: float = 0.0
     num_chunks_left: int = 0  # messages announced and not yet written
     error: str | None = None  # why it FAILED (the first reason)
+    granted_at: float = field(default_factory=time.monotonic)  # the blocks were taken
+    num_renewals: int = 0  # leases renewed by the prefill worker
     _phase: Phase = Phase.RESERVED
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def phase(self) -> Phase:
         return self._phase
+
+    def __post_init__(self) -> None:
+        self._lease_s = max(self.lease_deadline - self.granted_at, 0.0)  # one lease's length
 
     @property
     def num_fresh_blocks(self) -> int:
@@ -135,6 +147,21 @@ class Reservation:
             if now < self.lease_deadline or self._phase not in (Phase.RESERVED, Phase.RECEIVING):
                 return False
             return self._fail("lease expired before the KV pages arrived")
+
+    def renew(self, now: float, max_hold_s: float) -> float | None:
+        """The prefill worker's keep-alive (any thread). RESERVED or RECEIVING with the lease
+        still running: the lease runs a full length from ``now``, capped at ``granted_at`` +
+        ``max_hold_s``; returns the seconds it now has left. RECEIVED or ADMITTED: 0.0 (no lease
+        applies any more). FAILED, or a lease that already ran out: None (it ends; never revived)."""
+        with self.lock:
+            if self._phase in (Phase.RECEIVED, Phase.ADMITTED):
+                return 0.0
+            if self._phase is Phase.FAILED or now >= self.lease_deadline:
+                return None
+            cap = self.granted_at + max_hold_s
+            self.lease_deadline = max(self.lease_deadline, min(now + self._lease_s, cap))
+            self.num_renewals += 1
+            return self.lease_deadline - now
 
     def admit(self, take: Callable[[], None]) -> None:
         """Engine thread: RECEIVED → ADMITTED once ``take()`` (the engine adopting the

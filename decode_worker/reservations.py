@@ -162,13 +162,14 @@ class ReservationTable:
         if error is not None:
             self._push(reservation.request_id, error)
 
-    def expire_leases(self, engine: Engine) -> None:
-        """Free reservations whose pages did not arrive within their lease."""
+    def expire_leases(self, engine: Engine) -> int:
+        """Free reservations whose pages did not arrive within their lease; how many."""
         now = time.monotonic()
-        for reservation in list(self.pending.values()):
-            if reservation.expire(now):
-                self.release(engine, reservation, "lease expired",
-                             ServiceError(grpc.StatusCode.UNAVAILABLE, "KV pages did not arrive within the lease"))
+        expired = [r for r in list(self.pending.values()) if r.expire(now)]
+        for reservation in expired:
+            self.release(engine, reservation, "lease expired",
+                         ServiceError(grpc.StatusCode.UNAVAILABLE, "KV pages did not arrive within the lease"))
+        return len(expired)
 
     # -- admission -------------------------------------------------------------------------
     def admit(self, engine: Engine, reservation: Reservation) -> None:

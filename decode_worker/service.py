@@ -74,7 +74,9 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
 
     def on_tick(self, engine: Engine) -> None:
         """Engine thread, every iteration: expire leases, then serve waiting reservations."""
-        self.reservations.expire_leases(engine)
+        num_expired = self.reservations.expire_leases(engine)
+        if num_expired:
+            self.metrics.leases_expired.inc(num_expired)
         self.reservations.serve_waiters(engine)
 
     # -- the decode stream ---------------------------------------------------------------
@@ -180,6 +182,24 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
         self, request: kv_transfer_pb2.KVChannelHandshake, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.KVChannelAccept:
         return await self.inbox.open_channel(request, peer_host(context))
+
+    async def RenewLease(
+        self, request: kv_transfer_pb2.LeaseRenewal, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.LeaseGrant:
+        """A prefill worker's keep-alive for the reservation whose pages it computes
+        (``Reservation.renew``); event loop, no engine-thread hop."""
+        if request.decode_incarnation != self.incarnation:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"decode_incarnation {request.decode_incarnation} is not this worker's")
+        reservation = self.reservations.lookup(request.transfer_id, request.transfer_secret)
+        left = None if reservation is None else reservation.renew(
+            time.monotonic(), self.config.max_reservation_hold_ms / 1000.0)
+        if left is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"transfer_id {request.transfer_id} names no live "
+                               "reservation (it ended, or its lease ran out)")
+        if left:
+            self.metrics.lease_renewals.inc()
+        return kv_transfer_pb2.LeaseGrant(lease_ms_left=int(left * 1000))
 
     async def AnnounceTransfer(
         self, header: kv_transfer_pb2.TransferHeader, context: grpc.aio.ServicerContext

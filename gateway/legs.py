@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from gateway.admission import PrefillAdmission, Ticket
 from gateway.registry import Registry
 from gateway.workers import WorkerEntry
 from gateway.request import GatewayRequest
@@ -92,8 +93,10 @@ class NoWorker(Exception):
 
 
 async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tokens: int,
-                  reservation_wait_ms: int, lease_ms: int) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-    """Route ``req`` once and stream its chunks; LegFailed / NoWorker on failure."""
+                  reservation_wait_ms: int, lease_ms: int,
+                  admission: PrefillAdmission | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """Route ``req`` once and stream its chunks; LegFailed / NoWorker on failure. A remote
+    prefill first waits for room in the prefill pool (``admission``), before anything is reserved."""
     router = registry.router
     route = router.pick_decode(req)
     if route is None:
@@ -101,6 +104,9 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
     decode = route.worker
     prompt = req.attempt_prompt
     local = router.prefill_locally(req, route, local_prefill_max_tokens)
+    ticket: Ticket | None = None
+    if not local and admission is not None:
+        ticket = await admission.enter(len(prompt), req.time_remaining())
     call = decode.stub.Decode(  # type: ignore[attr-defined]
         decode_pb2.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=prompt, sampling=req.validated.sampling,
@@ -116,11 +122,15 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
     try:
         if not local:
             legs.prefill = await _start_prefill(req, prompt, registry, legs)
+            if ticket is not None:
+                ticket.close()  # its tokens now count as routed to the prefill worker
         on_finished = (lambda t: router.observe(LEG_LOCAL, route, t.num_cached_prompt_tokens)) if local else None
         async for chunk in _decode_stream(req, legs, on_finished):
             yield chunk
     finally:
         decode.num_routed -= 1
+        if ticket is not None:
+            ticket.close()
         call.cancel()
         legs.close()
 

@@ -28,6 +28,7 @@ import structlog
 
 from engine.chat import ChatTemplate
 from gateway import legs
+from gateway.admission import AdmissionLimits, PrefillAdmission
 from gateway.legs import LegFailed, NoWorker
 from gateway.registry import Registry
 from gateway.request import GatewayRequest
@@ -63,6 +64,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer, limits.vocab_size, limits.eos_token_ids)
         self.num_in_flight = 0
+        self.admission = PrefillAdmission(
+            lambda: registry.live(common_pb2.WORKER_ROLE_PREFILL),
+            AdmissionLimits(config.prefill_queue_max_tokens, config.admission_max_waiting,
+                            config.admission_max_wait_ms / 1000.0), metrics)
 
     # -- RPCs ---------------------------------------------------------------------------
     async def Generate(
@@ -180,7 +185,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             attempt += 1
             try:
                 async for response in legs.attempt(req, self.registry, self.config.local_prefill_max_tokens,
-                                                   self.config.reservation_wait_ms, self.config.lease_ms):
+                                                   self.config.reservation_wait_ms, self.config.lease_ms,
+                                                   admission=self.admission):
                     yield response
                 return
             except NoWorker as exc:
@@ -192,6 +198,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 if exc.connection_lost:
                     self.registry.drop(exc.worker.worker_id, f"lost during a request: {exc.details}")
                 req.excluded.add(exc.worker.worker_id)
+                role = "decode" if exc.worker.role == common_pb2.WORKER_ROLE_DECODE else "prefill"
+                self.metrics.leg_failures.labels(role=role, code=exc.code.name).inc()
                 log.warning("request.leg_failed", attempt=attempt, worker_id=exc.worker.worker_id,
                             code=exc.code.name, details=exc.details, num_sent=req.num_tokens)
                 if req.streamed:

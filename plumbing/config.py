@@ -106,6 +106,8 @@ class WorkerConfig:
     kv_channel_timeout_s: float = 30.0  # one KV channel operation (one message), and one KV channel join
     max_lease_ms: int = 60_000  # cap on the lease a decode request may ask for
     max_reservations_per_request: int = 8  # decode: reservations one request id may take (leases are not renewable without end)
+    # decode: how long a prefill worker's keep-alives (RenewLease) may keep one reservation's lease running
+    max_reservation_hold_ms: int = 300_000
     kv_chunk_bytes: int = 8 << 20  # prefill: KV pages per message on a KV channel, in bytes (pipelined)
     kv_channels_per_peer: int = 4  # prefill: lanes (channels) per decode worker, one transfer each at a time
     # Fault injection for the failure tests: the prefill worker sleeps this long between
@@ -124,6 +126,8 @@ class WorkerConfig:
             raise ValueError(f"kv_channels_per_peer must be >= 1, got {self.kv_channels_per_peer}")
         if self.kv_chunk_bytes < 1:
             raise ValueError(f"kv_chunk_bytes must be >= 1, got {self.kv_chunk_bytes}")
+        if self.max_reservation_hold_ms < 1:
+            raise ValueError(f"max_reservation_hold_ms must be >= 1, got {self.max_reservation_hold_ms}")
         if self.max_reservations_per_request < 1:
             raise ValueError(f"max_reservations_per_request must be >= 1, got {self.max_reservations_per_request}")
 
@@ -144,6 +148,12 @@ class GatewayConfig:
     max_in_flight: int = 256  # more concurrent requests: RESOURCE_EXHAUSTED
     reservation_wait_ms: int = 5_000
     lease_ms: int = 15_000
+    # Admission by the prefill pool's queue depth (gateway/admission.py): queued prompt tokens per
+    # live prefill worker before remote-prefill requests wait here (0: no gate); how many may
+    # wait; how long one may wait. Past either: RESOURCE_EXHAUSTED.
+    prefill_queue_max_tokens: int = 4096
+    admission_max_waiting: int = 128
+    admission_max_wait_ms: int = 120_000
     max_attempts: int = 3  # routing attempts while nothing was streamed
     max_migrations: int = 2  # continuations on another decode worker after tokens were streamed
     max_stop_strings: int = 8
@@ -165,6 +175,9 @@ class GatewayConfig:
                      "reservation_wait_ms", "lease_ms", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prefill_queue_max_tokens", "admission_max_waiting", "admission_max_wait_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.local_prefill_max_tokens < 0:
@@ -281,6 +294,8 @@ def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
              help="deadline of one KV channel operation (a message, a join); not of a whole transfer")
     add_flag(p, "--max-reservations-per-request", type=int, default=8,
              help="decode: KV reservations one request id may take on this worker")
+    add_flag(p, "--max-reservation-hold-ms", type=int, default=300_000,
+             help="decode: the longest a prefill worker's keep-alives may keep one KV reservation's lease running")
     add_flag(p, "--kv-chunk-bytes", type=int, default=8 << 20,
              help="prefill: KV pages travel in messages of about this many bytes, packed while earlier ones are on the wire")
     add_flag(p, "--kv-channels-per-peer", type=int, default=4,
@@ -295,6 +310,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         gateway_refresh_s=args.gateway_refresh_s,
         transport=args.transport, kv_channel_timeout_s=args.kv_channel_timeout_s,
         max_reservations_per_request=args.max_reservations_per_request,
+        max_reservation_hold_ms=args.max_reservation_hold_ms,
         fault_transfer_stall_s=args.fault_transfer_stall_s, kv_chunk_bytes=args.kv_chunk_bytes,
         kv_channels_per_peer=args.kv_channels_per_peer,
     )
@@ -317,6 +333,13 @@ def add_gateway_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--max-in-flight", type=int, default=256, help="concurrent requests before RESOURCE_EXHAUSTED")
     add_flag(p, "--reservation-wait-ms", type=int, default=5000, help="wait for decode KV blocks")
     add_flag(p, "--lease-ms", type=int, default=15000, help="decode reservation lease")
+    add_flag(p, "--prefill-queue-max-tokens", type=int, default=4096,
+             help="prompt tokens queued per live prefill worker before remote-prefill requests wait at the "
+                  "gateway (0: no admission gate)")
+    add_flag(p, "--admission-max-waiting", type=int, default=128,
+             help="requests waiting for the prefill pool at once; more are refused (RESOURCE_EXHAUSTED)")
+    add_flag(p, "--admission-max-wait-ms", type=int, default=120_000,
+             help="the longest a request waits for the prefill pool before RESOURCE_EXHAUSTED")
     add_flag(p, "--max-migrations", type=int, default=2,
              help="times a stream whose decode worker failed mid-stream is continued on another (0: never)")
     add_flag(p, "--startup-grace-s", type=float, default=10.0,
@@ -330,6 +353,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         heartbeat_period_ms=args.heartbeat_period_ms, heartbeat_miss_count=args.heartbeat_miss_count,
         max_in_flight=args.max_in_flight, reservation_wait_ms=args.reservation_wait_ms,
-        lease_ms=args.lease_ms, startup_grace_s=args.startup_grace_s, max_migrations=args.max_migrations,
+        lease_ms=args.lease_ms, prefill_queue_max_tokens=args.prefill_queue_max_tokens,
+        admission_max_waiting=args.admission_max_waiting, admission_max_wait_ms=args.admission_max_wait_ms,
+        startup_grace_s=args.startup_grace_s, max_migrations=args.max_migrations,
         internal_port=args.internal_port, routing=routing_config(args),
     )

@@ -97,6 +97,10 @@ class GatewayMetrics:
     retries: Counter
     migrations: Counter
     resumes: Counter
+    leg_failures: Counter
+    admission_waiting: Gauge
+    admission_wait: Histogram
+    admission_refused: Counter
     routing: RoutingMetrics
     auth_failures: Counter
 
@@ -129,6 +133,15 @@ class GatewayMetrics:
             resumes=Counter("splitserve_request_resumes",
                             "Requests a client sent again to continue a broken stream (GenerateRequest.resume)",
                             registry=r),
+            leg_failures=Counter("splitserve_leg_failures", "Worker legs that failed, by the worker's role and "
+                                 "status code (each one a retry, a migration or the request's error)",
+                                 ["role", "code"], registry=r),
+            admission_waiting=Gauge("splitserve_admission_waiting",
+                                    "Requests waiting at this gateway for the prefill pool", registry=r),
+            admission_wait=Histogram("splitserve_admission_wait_seconds",
+                                     "Time requests waited for the prefill pool", buckets=_LATENCY_BUCKETS, registry=r),
+            admission_refused=Counter("splitserve_admission_refused",
+                                      "Requests refused because the prefill pool stayed saturated", registry=r),
             auth_failures=auth_failures_counter(r),
         )
 
@@ -154,6 +167,8 @@ class WorkerMetrics:
     auth_failures: Counter
     prefix_cache_hit_tokens: Counter
     received_prompt_tokens: Counter
+    leases_expired: Counter
+    lease_renewals: Counter
     _spec_seen: dict = None  # type: ignore[assignment]
     _totals_seen: dict = None  # type: ignore[assignment]
 
@@ -230,6 +245,10 @@ class WorkerMetrics:
                                             "reservation hits whose pages did not travel)"),
             received_prompt_tokens=counter("splitserve_kv_received_prompt_tokens",
                                            "Prompt tokens whose KV pages arrived from a prefill worker"),
+            leases_expired=counter("splitserve_kv_leases_expired",
+                                   "Decode reservations freed because their pages did not arrive within the lease"),
+            lease_renewals=counter("splitserve_kv_lease_renewals",
+                                   "Decode reservation leases renewed by a prefill worker's keep-alive"),
         )
         metrics._role = role
         return metrics

@@ -32,6 +32,7 @@ from plumbing.transport.pages import chunk_blocks_for
 from splitserve_api.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from plumbing.engine_service import EngineServicer
 from prefill_worker.channels import ChannelPool
+from prefill_worker.lease_keeper import keep_lease
 
 log = structlog.get_logger()
 
@@ -49,6 +50,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         )
         self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request
         self._num_held_blocks = 0  # their sum (engine thread writes, heartbeats read an int)
+        self._num_shipped = 0  # transfers ended (progress for the lease keep-alive, with engine steps)
 
     def blocks_in_transfer(self) -> int:
         return self._num_held_blocks
@@ -70,6 +72,9 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             raise ValueError(f"target.transfer_secret must be {TRANSFER_SECRET_BYTES} bytes (from the Reservation)")
         await self.open_stream(rid, "prefilled")
         ship: asyncio.Future[None] | None = None
+        keeper = asyncio.ensure_future(keep_lease(
+            lambda: self.channels.peer(request.target.address).stub, request.target,
+            lambda: self.engine_thread.num_steps + self._num_shipped, self.config.transfer_timeout_s))
         try:
             out, timings = await self._first_token(rid, prompt, params, num_prior)
             first_logprob = None
@@ -83,6 +88,8 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             self.metrics.transfers.labels(role=self.role_name, outcome="failed").inc()
             raise
         finally:
+            keeper.cancel()
+            keeper.add_done_callback(lambda t: t.cancelled() or t.exception())
             self._release_after(ship, rid)
 
     def _release_after(self, ship: asyncio.Future[None] | None, rid: str) -> None:
@@ -140,10 +147,13 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         if first_logprob is not None:
             header.first_logprob.CopyFrom(first_logprob)
         t_transfer = time.monotonic()
-        wire_s = await self.channels.announce_and_send(
-            target.address, target.incarnation, header,
-            lambda start, n, out: self.engine.handoff.pack_kv(ids[start:start + n], out),
-            frame_tag(target.transfer_id, target.transfer_secret))
+        try:
+            wire_s = await self.channels.announce_and_send(
+                target.address, target.incarnation, header,
+                lambda start, n, out: self.engine.handoff.pack_kv(ids[start:start + n], out),
+                frame_tag(target.transfer_id, target.transfer_secret))
+        finally:
+            self._num_shipped += 1
         seconds = time.monotonic() - t_transfer
         timings.transfer_wire_us = int(wire_s * 1e6)
         timings.transfer_us = int(seconds * 1e6)

@@ -108,6 +108,41 @@ def test_the_lease_ends_a_reservation_only_before_its_pages_are_all_written() ->
     assert not _at(P.RESERVED).expire(time.monotonic())  # not due yet
 
 
+# What ``renew`` (the prefill worker's keep-alive) does in each phase: "renews" (a full lease
+# from now, the phase unchanged), "no lease" (0.0: the pages are all written) or "ended" (None).
+RENEW = {P.RESERVED: "renews", P.RECEIVING: "renews", P.RECEIVED: "no lease", P.ADMITTED: "no lease",
+         P.FAILED: "ended"}
+
+
+@pytest.mark.parametrize("start", list(Phase))
+def test_renew_moves_the_lease_only_while_the_pages_are_due(start: Phase) -> None:
+    r = _at(start)
+    r.lease_deadline = time.monotonic() + 5  # part of the 60 s lease was used
+    now = time.monotonic()
+    left = r.renew(now, max_hold_s=3600)
+    assert r.phase is start  # never a phase change
+    if RENEW[start] == "renews":
+        assert left == pytest.approx(60, abs=0.5) and r.lease_deadline == pytest.approx(now + 60, abs=0.5)
+        assert r.num_renewals == 1
+    else:
+        assert left == (0.0 if RENEW[start] == "no lease" else None) and r.num_renewals == 0
+
+
+def test_renew_never_revives_a_lease_that_ran_out_and_never_passes_the_hold_cap() -> None:
+    r = _at(P.RESERVED)
+    r.lease_deadline = time.monotonic() - 0.01  # ran out; the engine thread has not ticked yet
+    assert r.renew(time.monotonic(), max_hold_s=3600) is None
+    assert r.expire(time.monotonic()) and r.phase is P.FAILED
+    r = _at(P.RECEIVING)
+    r.lease_deadline = r.granted_at + 5
+    now = time.monotonic()
+    left = r.renew(now, max_hold_s=10)  # the cap: 10 s after the grant, not a full 60 s lease
+    assert left is not None and left <= 10 and r.lease_deadline <= r.granted_at + 10
+    assert r.renew(r.granted_at + 9.5, max_hold_s=10) == pytest.approx(0.5, abs=1e-6)
+    assert r.renew(r.granted_at + 10, max_hold_s=10) is None  # past the cap the lease runs out
+    assert r.expire(r.granted_at + 10) and r.phase is P.FAILED
+
+
 class _LayoutThatRunsTheEngineThread:
     """The inbox's layout, whose ``dtype`` is read right after the announce's transition and
     before the receives are posted: reading it runs ``between`` once, on another thread (the

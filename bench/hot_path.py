@@ -2,6 +2,7 @@
 
     python -m bench.hot_path [--out bench/results/hot_path.json] [--vllm-python PATH]
         [--vllm-threads 2] [--hf-requests 8] [--rounds 1] [--skip-vllm] [--skip-hf]
+        [--models 32m,135m,smollm2] [--isa best,avx2] [--cpu-hour-price 0.045]
 
 (``make bench`` runs it with ``--rounds 2``.)
 
@@ -15,10 +16,20 @@ model for ``--rounds`` rounds and the best round of each counts (the CPUs may be
   ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``--vllm-threads``);
 * transformers ``generate`` one request at a time (the first ``--hf-requests`` requests).
 
+Our engine runs once per ``--isa`` mode: ``best`` (the machine's best native variant) and
+``avx2`` (``SPLITSERVE_CPU_ISA=avx2`` with ``ATEN_CPU_CAPABILITY=avx2`` and
+``ONEDNN_MAX_CPU_ISA=AVX2``: what an AVX2-only CPU runs); vLLM runs at its best once per round
+and both modes are compared with it.
+
 Workloads (``bench/workload.py`` defaults: 64 requests, prompts 16-256 random tokens, 128
-greedy tokens, EOS ignored, float32): the 32M bench model, and a real-shaped random 135M
+greedy tokens, EOS ignored, float32): the 32M bench model, a real-shaped random 135M
 Llama (30 layers, hidden 576, 9 query / 3 KV heads, head_dim 64, intermediate 1536, vocab
-49152, tied embeddings). Batch-1 decode latency on the 135M model, for ours and vLLM alike:
+49152, tied embeddings), and ``smollm2``, the default model's real weights (SmolLM2-135M-
+Instruct's Q4_1 GGUF dequantised to float32 and written as one safetensors checkpoint that
+both engines load: bench/real_checkpoint.py). Greedy outputs are compared token by token:
+identical sequences, and the tokens before each first difference. The cost lines give each
+system's $/1M output tokens on the real model at one price (``--cpu-hour-price`` per core,
+``--vllm-threads`` cores; bench/cost.py) and ours over vLLM's. Batch-1 decode latency on the 135M models, for ours and vLLM alike:
 a 128-token prompt, (time of a 129-token generation - time of a 1-token one) / 128, median
 of 3. Kernel: the paged-attention op's KV bytes read per second in a batch-64 decode step
 of each model, against a plain ``torch`` copy of the same number of bytes.

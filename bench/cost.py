@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 HOURS_PER_MONTH = 730.0  # 365 × 24 / 12
 SECONDS_PER_HOUR = 3600.0
+DEFAULT_CPU_CORE_HOUR_USD = 0.045  # about what a cloud vCPU-hour costs on demand; pass your own
+DEFAULT_API_USD_PER_M = 0.50  # an example API price per million output tokens; pass your own
 
 
 @dataclass(frozen=True)
@@ -101,3 +103,25 @@ def cost_figures(pricing: Pricing, output_tokens_per_s: float, input_tokens_per_
             monthly, pricing.api_output_usd_per_m, pricing.api_input_usd_per_m,
             input_tokens_per_s / output_tokens_per_s),
     )
+
+
+@dataclass(frozen=True)
+class CostVersus:
+    """Two systems measured on the same machine at the same price: dollars per million output
+    tokens of each, and ours over theirs (below 1: ours is cheaper). At one hourly price the
+    ratio is their throughput over ours."""
+
+    ours_usd_per_m_output: float
+    peer_usd_per_m_output: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_usd_per_m_output / self.peer_usd_per_m_output
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"ratio": self.ratio}
+
+
+def cost_versus(pricing: Pricing, ours_tokens_per_s: float, peer_tokens_per_s: float) -> CostVersus:
+    return CostVersus(usd_per_million_tokens(pricing.hourly_usd, ours_tokens_per_s),
+                      usd_per_million_tokens(pricing.hourly_usd, peer_tokens_per_s))

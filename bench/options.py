@@ -7,15 +7,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.cost import Pricing
+from bench.cost import DEFAULT_API_USD_PER_M, DEFAULT_CPU_CORE_HOUR_USD, Pricing
 from bench.loadgen import LoadPlan
 from bench.metrics import Slo
 from bench.profiles import PROFILES, WORKLOADS, Profile
 from bench.workload import CACHE_DIR, ModelShape
 
 SECTIONS = ("online", "interference")
-DEFAULT_CPU_CORE_HOUR_USD = 0.045  # about what a cloud vCPU-hour costs on demand; pass your own
-DEFAULT_API_USD_PER_M = 0.50  # an example API price per million output tokens; pass your own
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
     python -m bench.hot_path [--out bench/results/hot_path.json] [--vllm-python PATH]
         [--vllm-threads 2] [--hf-requests 8] [--rounds 1] [--skip-vllm] [--skip-hf]
+        [--models 32m,135m,smollm2] [--isa best,avx2] [--cpu-hour-price 0.045]
 
 (``make bench`` runs it with ``--rounds 2``.)
 
@@ -15,10 +16,20 @@ model for ``--rounds`` rounds and the best round of each counts (the CPUs may be
   ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``--vllm-threads``);
 * transformers ``generate`` one request at a time (the first ``--hf-requests`` requests).
 
+Our engine runs once per ``--isa`` mode: ``best`` (the machine's best native variant) and
+``avx2`` (``SPLITSERVE_CPU_ISA=avx2`` with ``ATEN_CPU_CAPABILITY=avx2`` and
+``ONEDNN_MAX_CPU_ISA=AVX2``: what an AVX2-only CPU runs); vLLM runs at its best once per round
+and both modes are compared with it.
+
 Workloads (``bench/workload.py`` defaults: 64 requests, prompts 16-256 random tokens, 128
-greedy tokens, EOS ignored, float32): the 32M bench model, and a real-shaped random 135M
+greedy tokens, EOS ignored, float32): the 32M bench model, a real-shaped random 135M
 Llama (30 layers, hidden 576, 9 query / 3 KV heads, head_dim 64, intermediate 1536, vocab
-49152, tied embeddings). Batch-1 decode latency on the 135M model, for ours and vLLM alike:
+49152, tied embeddings), and ``smollm2``, the default model's real weights (SmolLM2-135M-
+Instruct's Q4_1 GGUF dequantised to float32 and written as one safetensors checkpoint that
+both engines load: bench/real_checkpoint.py). Greedy outputs are compared token by token:
+identical sequences, and the tokens before each first difference. The cost lines give each
+system's $/1M output tokens on the real model at one price (``--cpu-hour-price`` per core,
+``--vllm-threads`` cores; bench/cost.py) and ours over vLLM's. Batch-1 decode latency on the 135M models, for ours and vLLM alike:
 a 128-token prompt, (time of a 129-token generation - time of a 1-token one) / 128, median
 of 3. Kernel: the paged-attention op's KV bytes read per second in a batch-64 decode step
 of each model, against a plain ``torch`` copy of the same number of bytes.
@@ -40,6 +51,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.cost import DEFAULT_API_USD_PER_M, DEFAULT_CPU_CORE_HOUR_USD, Pricing, cost_versus
+from bench.real_checkpoint import DEFAULT_DIR as REAL_DIR
+from bench.real_checkpoint import ensure_real_checkpoint
 from bench.workload import ModelShape, Workload, ensure_model, make_prompts
 
 DEFAULT_OUT = Path("bench/results/hot_path.json")
@@ -48,10 +62,20 @@ LATENCY_PROMPT_LEN = 128
 LATENCY_REPS = 3
 REAL_SHAPED = ModelShape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, intermediate_size=1536, vocab_size=49152)
+# name -> (shape, checkpoint, kind): "random" / "tied" random weights, "real" the default
+# model's own weights (SmolLM2-135M-Instruct, dequantised to float32; bench/real_checkpoint.py).
 MODELS = {
-    "32m": (ModelShape(), Path(".cache/bench-llama-32m"), False),
-    "135m": (REAL_SHAPED, Path(".cache/bench-llama-135m-tied"), True),
+    "32m": (ModelShape(), Path(".cache/bench-llama-32m"), "random"),
+    "135m": (REAL_SHAPED, Path(".cache/bench-llama-135m-tied"), "tied"),
+    "smollm2": (REAL_SHAPED, REAL_DIR, "real"),
 }
+# ISA modes of our engine: the machine's best native variant, and AVX2 forced everywhere (our
+# library, ATen and oneDNN, as ``make test-avx2`` does: what an AVX2-only CPU runs).
+ISA_MODES = {
+    "best": {},
+    "avx2": {"SPLITSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+SYSTEMS = {"best": "ours", "avx2": "ours_avx2"}
 
 
 # -- the models and prompts (parent) ------------------------------------------------------
@@ -74,9 +98,14 @@ def ensure_tied_model(model_dir: Path, shape: ModelShape, seed: int) -> Path:
 
 
 def prepare(name: str) -> tuple[Path, Workload, list[list[int]]]:
-    shape, model_dir, tied = MODELS[name]
+    shape, model_dir, kind = MODELS[name]
     workload = Workload(model=shape)
-    model_dir = ensure_tied_model(model_dir, shape, 0) if tied else ensure_model(model_dir, shape, 0)
+    if kind == "real":
+        model_dir = ensure_real_checkpoint(model_dir)
+    elif kind == "tied":
+        model_dir = ensure_tied_model(model_dir, shape, 0)
+    else:
+        model_dir = ensure_model(model_dir, shape, 0)
     return model_dir, workload, make_prompts(workload)
 
 
@@ -89,8 +118,11 @@ def latency_prompt(prompts: list[list[int]]) -> list[int]:
 
 def child_engine(spec: dict) -> dict:
     """Our engine with its default threads: throughput over all prompts, then batch-1 latency."""
+    import torch
+
     from bench.engine_run import EngineSettings
     from engine import Engine, EngineConfig, SamplingParams
+    from kernels.native import native_kernels
 
     model_dir, workload, prompts = prepare(spec["model"])
     settings = EngineSettings.for_workload(workload)
@@ -115,7 +147,8 @@ def child_engine(spec: dict) -> dict:
             "load_after_throughput": load_after_throughput,
             "decode_ms_per_token": 1e3 * statistics.median(per_token),
             "decode_ms_per_token_reps": [1e3 * t for t in per_token],
-            "num_threads": engine.runner.num_threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+            "num_threads": engine.runner.num_threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "native": native_kernels().variant, "aten_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _timed(fn) -> float:
@@ -199,11 +232,13 @@ def _run_process(cmd: list[str], env: dict, out_path: Path, log_path: Path, time
     return result
 
 
-def run_child(kind: str, spec: dict, work: Path, tag: str = "") -> dict:
-    """``kind`` in a fresh interpreter. Ours gets no OMP_NUM_THREADS: the engine sets its own."""
-    name = f"{kind}-{spec['model']}{tag}"
+def run_child(kind: str, spec: dict, work: Path, tag: str = "", isa: str = "best") -> dict:
+    """``kind`` in a fresh interpreter, its native/ATen/oneDNN ISA limited as ``ISA_MODES[isa]``.
+    Ours gets no OMP_NUM_THREADS: the engine sets its own."""
+    name = f"{kind}-{spec['model']}-{isa}{tag}"
     out = work / f"{name}.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                           *ISA_MODES["avx2"])} | ISA_MODES[isa]
     cmd = [sys.executable, "-m", "benchmarks.hot_path", "--child", kind, json.dumps(spec), str(out)]
     return _run_process(cmd, env, out, work / f"{name}.log", 3600)
 
@@ -229,39 +264,55 @@ def tok_s(result: dict) -> float | None:
 
 
 def same_outputs(a: dict, b: dict) -> str | None:
+    """``identical sequences/requests``, and where some differ, the tokens both produced
+    before each request's first difference over all tokens (token-by-token agreement)."""
     if "output_ids" not in a or "output_ids" not in b:
         return None
     pairs = list(zip(a["output_ids"], b["output_ids"]))
-    return f"{sum(x == y for x, y in pairs)}/{len(pairs)}"
+    text = f"{sum(x == y for x, y in pairs)}/{len(pairs)}"
+    if any(x != y for x, y in pairs):
+        text += f" (common-prefix tokens {sum(map(_common_prefix, *zip(*pairs)))}/{sum(len(x) for x, _ in pairs)})"
+    return text
+
+
+def _common_prefix(x: list[int], y: list[int]) -> int:
+    return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
 
 
 def run_all(args: argparse.Namespace, work: Path, progress) -> dict:
-    """Every measurement, each in a fresh process. Ours and vLLM alternate per model for
-    ``--rounds`` rounds (on shared CPUs the load drifts; the best round of each counts)."""
+    """Every measurement, each in a fresh process. Ours (in each ISA mode) and vLLM alternate
+    per model for ``--rounds`` rounds (on shared CPUs the load drifts; the best round of each
+    counts). vLLM runs at its best in every round: each of our modes is compared with it."""
     results: dict[str, dict] = {}
     from benchmarks.peers import find_vllm_python  # here: it imports the cluster code (gRPC)
 
     vllm_python = find_vllm_python(args.vllm_python)
-    for model in MODELS:
+    for model in args.models:
         prepare(model)  # create the checkpoints before anything is timed
     for r in range(args.rounds):
-        for model in MODELS:
-            progress(f"round {r + 1}: ours, {model}")
-            results[f"ours-{model}-{r}"] = run_child("engine", {"model": model}, work, f"r{r}")
-            if args.skip_vllm or vllm_python is None:
-                why = "--skip-vllm" if args.skip_vllm else f"no vLLM venv at {args.vllm_python or 'the default places'}"
-                results[f"vllm-{model}-{r}"] = {"error": f"skipped ({why})"}
-                continue
-            progress(f"round {r + 1}: vLLM-CPU, {model} ({args.vllm_threads} threads)")
-            results[f"vllm-{model}-{r}"] = run_vllm(model, vllm_python, args.vllm_threads, work, f"r{r}")
-    for model in MODELS:
-        progress(f"kernel bandwidth, {model}")
-        results[f"kernel-{model}"] = run_child("kernel", {"model": model}, work)
-    if not args.skip_hf:
+        for model in args.models:
+            for isa in args.isa:
+                progress(f"round {r + 1}: ours ({isa}), {model}")
+                results[f"{SYSTEMS[isa]}-{model}-{r}"] = run_child("engine", {"model": model}, work, f"-r{r}", isa)
+            results[f"vllm-{model}-{r}"] = _vllm_round(args, vllm_python, model, work, r, progress)
+    for model in args.models:
+        if MODELS[model][2] != "real":  # the real model's shapes are the 135m's
+            progress(f"kernel bandwidth, {model}")
+            results[f"kernel-{model}"] = run_child("kernel", {"model": model}, work)
+    if not args.skip_hf and "32m" in args.models:
         progress(f"transformers generate one at a time, 32m ({args.hf_requests} requests)")
         spec = {"model": "32m", "threads": args.vllm_threads, "num_requests": args.hf_requests}
         results["hf-32m"] = run_child("hf", spec, work)
     return results
+
+
+def _vllm_round(args: argparse.Namespace, vllm_python: Path | None, model: str, work: Path, r: int,
+                progress) -> dict:
+    if args.skip_vllm or vllm_python is None:
+        why = "--skip-vllm" if args.skip_vllm else f"no vLLM venv at {args.vllm_python or 'the default places'}"
+        return {"error": f"skipped ({why})"}
+    progress(f"round {r + 1}: vLLM-CPU, {model} ({args.vllm_threads} threads)")
+    return run_vllm(model, vllm_python, args.vllm_threads, work, f"r{r}")
 
 
 def _load(r: dict) -> str:
@@ -283,37 +334,60 @@ def best_round(results: dict, system: str, model: str) -> dict:
     return max(ok, key=tok_s) if ok else runs[0]
 
 
+def _ours_systems(results: dict, model: str) -> list[str]:
+    return [s for s in SYSTEMS.values() if any(k.startswith(f"{s}-{model}-") for k in results)]
+
+
+def _models(results: dict) -> list[str]:
+    return [m for m in MODELS if any(k.startswith(f"ours-{m}-") or k.startswith(f"ours_avx2-{m}-") for k in results)]
+
+
 def _throughput_lines(results: dict, figures: dict) -> list[str]:
     lines = ["throughput, output tok/s (best round)  ours     vLLM  ours/vLLM  goal >= 1.20x"]
-    for model in MODELS:
-        ours, vllm = best_round(results, "ours", model), best_round(results, "vllm", model)
-        a, b = tok_s(ours), tok_s(vllm)
-        rounds = {s: [tok_s(v) for k, v in results.items() if k.startswith(f"{s}-{model}-")]
-                  for s in ("ours", "vllm")}
-        figures[f"throughput_{model}"] = {"ours": a, "vllm": b, "ratio": _ratio(a, b), "rounds": rounds}
-        per_round = " ".join(f"{_fmt(x)}/{_fmt(y)}" for x, y in zip(rounds["ours"], rounds["vllm"]))
-        lines.append(f"  {model:<34} {_fmt(a):>8} {_fmt(b):>8}  {_fmt(_ratio(a, b), '.2f'):>6}x   "
-                     f"load {_load(ours)} | {_load(vllm)}; greedy equal {same_outputs(ours, vllm)}; "
-                     f"rounds ours/vLLM {per_round}")
+    for model in _models(results):
+        vllm = best_round(results, "vllm", model)
+        b = tok_s(vllm)
+        vllm_rounds = [tok_s(v) for k, v in results.items() if k.startswith(f"vllm-{model}-")]
+        for system in _ours_systems(results, model):
+            ours = best_round(results, system, model)
+            a = tok_s(ours)
+            rounds = {"ours": [tok_s(v) for k, v in results.items() if k.startswith(f"{system}-{model}-")],
+                      "vllm": vllm_rounds}
+            key = f"throughput_{model}" + ("" if system == "ours" else f"_{system.removeprefix('ours_')}")
+            figures[key] = {"ours": a, "vllm": b, "ratio": _ratio(a, b), "rounds": rounds,
+                            "greedy_equal": same_outputs(ours, vllm), "native": ours.get("native")}
+            per_round = " ".join(f"{_fmt(x)}/{_fmt(y)}" for x, y in zip(rounds["ours"], rounds["vllm"]))
+            label = f"{model} ({system}, {ours.get('native') or '?'})"
+            lines.append(f"  {label:<34} {_fmt(a):>8} {_fmt(b):>8}  {_fmt(_ratio(a, b), '.2f'):>6}x   "
+                         f"load {_load(ours)} | {_load(vllm)}; greedy equal {same_outputs(ours, vllm)}; "
+                         f"rounds ours/vLLM {per_round}")
     return lines
 
 
-def _latency_line(results: dict, figures: dict) -> str:
-    def best_ms(system: str) -> tuple[float | None, dict]:
-        runs = [v for k, v in results.items() if k.startswith(f"{system}-135m-")]
-        ok = [r for r in runs if r.get("decode_ms_per_token")]
-        run = min(ok, key=lambda r: r["decode_ms_per_token"]) if ok else runs[0]
-        return run.get("decode_ms_per_token"), run
+def _best_ms(results: dict, system: str, model: str) -> tuple[float | None, dict]:
+    runs = [v for k, v in results.items() if k.startswith(f"{system}-{model}-")]
+    ok = [r for r in runs if r.get("decode_ms_per_token")]
+    run = min(ok, key=lambda r: r["decode_ms_per_token"]) if ok else runs[0]
+    return run.get("decode_ms_per_token"), run
 
-    (a, ours), (b, vllm) = best_ms("ours"), best_ms("vllm")
-    figures["batch1_ms_per_token_135m"] = {"ours": a, "vllm": b}
-    return (f"batch-1 decode, 135m, ms/token (best round): ours {_fmt(a, '.2f')}, vLLM {_fmt(b, '.2f')}"
-            f" (vLLM/ours {_fmt(_ratio(b, a), '.2f')}x, goal >= 1.00x; load {_load(ours)} | {_load(vllm)})")
+
+def _latency_lines(results: dict, figures: dict) -> list[str]:
+    lines = []
+    for model in (m for m in _models(results) if m != "32m"):
+        b, vllm = _best_ms(results, "vllm", model)
+        for system in _ours_systems(results, model):
+            a, ours = _best_ms(results, system, model)
+            key = f"batch1_ms_per_token_{model}" + ("" if system == "ours" else f"_{system.removeprefix('ours_')}")
+            figures[key] = {"ours": a, "vllm": b, "speedup": _ratio(b, a)}
+            lines.append(f"batch-1 decode, {model} ({system}), ms/token (best round): ours {_fmt(a, '.2f')}, "
+                         f"vLLM {_fmt(b, '.2f')} (vLLM/ours {_fmt(_ratio(b, a), '.2f')}x, goal >= 1.20x; "
+                         f"load {_load(ours)} | {_load(vllm)})")
+    return lines
 
 
 def _kernel_lines(results: dict, figures: dict) -> list[str]:
     lines = []
-    for model in MODELS:
+    for model in (m for m in MODELS if f"kernel-{m}" in results):
         k = results[f"kernel-{model}"]
         figures[f"kernel_{model}"] = {key: v for key, v in k.items() if key.endswith("_threads")}
         if "error" in k:
@@ -326,11 +400,27 @@ def _kernel_lines(results: dict, figures: dict) -> list[str]:
     return lines
 
 
-def summary(results: dict) -> tuple[dict, list[str]]:
+def _cost_lines(figures: dict, pricing: Pricing) -> list[str]:
+    """$/1M output tokens of ours and vLLM on the real model (bench/cost.py), one machine price."""
+    lines = []
+    for key in [k for k in figures if k.startswith("throughput_smollm2")]:
+        ours, vllm = figures[key]["ours"], figures[key]["vllm"]
+        if not (ours and vllm):
+            continue
+        cost = cost_versus(pricing, ours, vllm)
+        figures["cost" + key.removeprefix("throughput")] = cost.to_dict() | {"pricing": asdict(pricing)}
+        lines.append(f"cost, {key.removeprefix('throughput_')}: ours ${cost.ours_usd_per_m_output:.3f} / vLLM "
+                     f"${cost.peer_usd_per_m_output:.3f} per 1M output tokens = {cost.ratio:.2f} (goal <= 0.80; "
+                     f"{pricing.num_devices} cores at ${pricing.device_hour_usd}/core-hour, best rounds)")
+    return lines
+
+
+def summary(results: dict, pricing: Pricing | None = None) -> tuple[dict, list[str]]:
     """The figures the issue asks for, and the printed lines."""
     figures: dict = {}
     lines = _throughput_lines(results, figures)
-    lines.append(_latency_line(results, figures))
+    lines.extend(_latency_lines(results, figures))
+    lines.extend(_cost_lines(figures, pricing or default_pricing(2)))
     lines.extend(_kernel_lines(results, figures))
     hf = results.get("hf-32m")
     if hf is not None:
@@ -343,6 +433,19 @@ def summary(results: dict) -> tuple[dict, list[str]]:
     return figures, lines
 
 
+def default_pricing(cores: int, core_hour_usd: float = DEFAULT_CPU_CORE_HOUR_USD) -> Pricing:
+    return Pricing(core_hour_usd, cores, "cpu-core", DEFAULT_API_USD_PER_M)
+
+
+def _choices(allowed: dict):
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        if not names or any(n not in allowed for n in names):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}")
+        return names
+    return parse
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hot_path", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -352,6 +455,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="vLLM's OMP_NUM_THREADS (bound to CPUs 0..n-1); also transformers'")
     parser.add_argument("--hf-requests", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1, help="ours/vLLM alternations per model")
+    parser.add_argument("--models", type=_choices(MODELS), default=list(MODELS),
+                        help=f"comma-separated, of {','.join(MODELS)} (default: all)")
+    parser.add_argument("--isa", type=_choices(ISA_MODES), default=list(ISA_MODES),
+                        help="our engine's ISA modes, comma-separated: best (the machine's best variant), "
+                             "avx2 (forced: our library, ATen and oneDNN); default both")
+    parser.add_argument("--cpu-hour-price", type=float, default=DEFAULT_CPU_CORE_HOUR_USD,
+                        help="USD per CPU-core-hour for the cost lines (both systems on --vllm-threads cores)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -371,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.out.parent / "hot_path-logs"  # children's results and logs, kept
     work.mkdir(parents=True, exist_ok=True)
     results = run_all(args, work, progress)
-    figures, lines = summary(results)
+    figures, lines = summary(results, default_pricing(args.vllm_threads, args.cpu_hour_price))
     for key, result in results.items():
         if "error" in result:
             lines.append(f"{key}: {result['error']}")

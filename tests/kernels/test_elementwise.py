@@ -47,6 +47,23 @@ def test_add_rms_norm_updates_the_residual_stream_in_place() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 4500])  # 4500 x 64: more rows than one task takes (threads)
+def test_add_rms_norm_adds_a_strided_residual_in_the_norms_pass(dtype, rows) -> None:
+    # The add runs inside the norm's row loop now: x must come out exactly x + residual (as
+    # ATen's add_), for a residual whose rows are a view into wider ones (an MLP output slice).
+    x = randn(rows, 64).to(dtype)
+    residual = randn(rows, 80, seed=2).to(dtype)[:, 8:72]
+    weight = randn(64, seed=3).to(dtype)
+    want_x = x + residual
+    want = elementwise.rms_norm_ref(want_x, weight, 1e-5)
+    out = ops.add_rms_norm_(x, residual, weight, 1e-5)
+    assert torch.equal(x, want_x)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+
+
+@needs_native
 @pytest.mark.parametrize("heads,head_dim", [(12, 64), (3, 32), (2, 24)])
 def test_rotary_in_place_is_the_reference_bit_for_bit(heads, head_dim) -> None:
     # q and k heads as a view into a wider qkv row, as the layer has them.

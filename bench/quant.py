@@ -184,7 +184,7 @@ def goals(report: dict) -> list[dict]:
     for figure, op, bound in GOALS:
         group, name = figure.split(".", 1)
         section = next((s for s in ("quality", "speed", "bytes") if group in report.get(s, {})), None)
-        if section is None:  # quality skipped in this run
+        if section is None or name not in report[section][group]:  # quality or this config not run
             continue
         value = report[section][group][name]
         met = value <= bound if op == "<=" else value >= bound

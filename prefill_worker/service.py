@@ -69,7 +69,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
         ship: asyncio.Future[None] | None = None
         keeper = asyncio.ensure_future(keep_lease(
             lambda: self.channels.peer(request.target.address).stub, request.target,
-            lambda: self.engine_thread.num_steps + self._num_shipped, self.config.transfer_timeout_s))
+            lambda: self.engine_thread.num_steps + self._num_shipped, self.config.kv_channel_timeout_s))
         try:
             out, timings = await self._first_token(rid, prompt, params, num_prior)
             first_logprob = None

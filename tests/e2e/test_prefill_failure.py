@@ -1,8 +1,10 @@
 """kill -9 of a prefill worker mid-transfer; leases on the decode worker; full pools and queues.
 
 The prefill workers here stall 2 s between announcing a transfer and sending it (a fault
-injection flag), and the gateway asks for 1 s leases, so every remote prefill is caught
-"mid-transfer" and every decode reservation runs out its lease.
+injection flag), the gateway asks for 1 s leases, and the decode worker lets a prefill worker's
+keep-alives (RenewLease) hold a reservation at most 1.5 s (``--max-reservation-hold-ms``), so
+every remote prefill is caught "mid-transfer" and every decode reservation runs out its lease
+although its prefill worker still renews it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
                  gateway_flags=["--lease-ms", "1000", "--local-prefill-max-tokens", "16",
                                 "--reservation-wait-ms", "300", "--max-in-flight", "3"],
                  prefill_flags=["--fault-transfer-stall-s", "2.0", "--kv-channel-timeout-s", "5"],
-                 decode_flags=["--kv-channel-timeout-s", "5", "--num-kv-blocks", "48"]) as c:
+                 decode_flags=["--kv-channel-timeout-s", "5", "--num-kv-blocks", "48",
+                               "--max-reservation-hold-ms", "1500"]) as c:
         yield c
 
 

@@ -55,6 +55,8 @@ WORKERS = [
        "FAILED_PRECONDITION", "UNAVAILABLE", "PERMISSION_DENIED"),  # PERMISSION_DENIED: not the caller's address
     _m("/splitserve.v1.DecodeWorker/AnnounceTransfer", "decode", kv_transfer_pb2.TransferHeader, False,
        "FAILED_PRECONDITION", "NOT_FOUND", "UNAVAILABLE"),
+    _m("/splitserve.v1.DecodeWorker/RenewLease", "decode", kv_transfer_pb2.LeaseRenewal, False,
+       "FAILED_PRECONDITION", "NOT_FOUND"),  # not this incarnation; no live reservation (or a wrong secret)
     _m("/splitserve.v1.DecodeWorker/GetStats", "decode", common_pb2.GetStatsRequest),
     _m("/splitserve.v1.PrefillWorker/Prefill", "prefill", prefill_pb2.PrefillRequest, False,
        "UNAVAILABLE", "ABORTED", "FAILED_PRECONDITION", "NOT_FOUND"),

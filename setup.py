@@ -26,6 +26,7 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 NATIVE_SOURCES = [
+    "kernels/csrc/argmax.cpp",
     "kernels/csrc/attention_plan.cpp",
     "kernels/csrc/dense_gemv.cpp",
     "kernels/csrc/elementwise.cpp",

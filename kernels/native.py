@@ -6,7 +6,7 @@
 (``torch.backends.cpu.get_cpu_capability()``), which registers the operators
 ``torch.ops.splitserve.paged_attention`` (float caches and the int8 one), ``write_kv``,
 ``write_kv_int8``, ``gguf_linear`` (kernels/quant_matmul.py), ``dense_gemv``
-(engine/models/linear.py) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
+(engine/models/linear.py), ``argmax_rows`` (greedy tokens) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
 ``rotary_``, ``silu_mul``); their fake implementations are registered here so ``torch.compile`` can trace through them.
 
 ``SPLITSERVE_CPU_ISA`` (read at the first call) forces a choice: ``avx512`` or ``avx2`` loads
@@ -183,6 +183,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("splitserve::gguf_linear")
     def _gguf_linear_fake(x, blocks, kind):
         return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("splitserve::argmax_rows")
+    def _argmax_rows_fake(logits):
+        return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
     @torch.library.register_fake("splitserve::dense_gemv")
     def _dense_gemv_fake(x, weight, bias):

@@ -109,6 +109,16 @@ def unpack_kv(
     impl(kv_cache, buffer, block_ids)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows] int64
+    """Each row's index of its largest value, the first on ties (``argmax``; a NaN counts as
+    the largest). Natively on CPU (kernels/csrc/argmax.cpp: rows over the intra-op threads),
+    else ``max(dim).indices``, which computes the same ~3x faster than ``argmax`` on CPU."""
+    if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and 0 < logits.shape[1] < 1 << 24 and use_native(logits.device)):
+        return torch.ops.splitserve.argmax_rows(logits)
+    return logits.max(dim=-1).indices
+
+
 # -- the elementwise parts of a layer (kernels/elementwise.py, kernels/csrc/elementwise.cpp) --
 
 

@@ -1,5 +1,6 @@
 """GGUF block formats (Q8_0, Q4_1) and the native block linear (kernels/csrc/quant_matmul.cpp)
-against the torch reference, for every native library this CPU runs (the float32 GEMV too); the native int8-KV
+against the torch reference, for every native library this CPU runs (the float32 GEMV and
+the greedy argmax too); the native int8-KV
 attention and write against their references (kernels/kv_int8.py)."""
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ for qtype in ("Q8_0", "Q4_1"):
 for n, k, m in ((960, 576, 1), (49, 1536, 3), (7, 100, 2)):  # the float32 GEMV (engine/models/linear.py)
     w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
     torch.testing.assert_close(torch.ops.splitserve.dense_gemv(x, w, None), x @ w.T, rtol=1e-5, atol=1e-4)
+logits = torch.randn(5, 49157, generator=g)  # greedy tokens (kernels/csrc/argmax.cpp), a tail past the vectors
+logits[1, 49156] = 100.0
+assert torch.equal(torch.ops.splitserve.argmax_rows(logits), logits.argmax(-1))
 print("ok")
 """
 

@@ -121,3 +121,16 @@ def test_cpu_head_major_cache_travels_in_the_standard_layout() -> None:
     unpack_kv_ref(receiver, buffer, [0, 4])
     assert torch.equal(receiver[:, :, [0, 4]], standard[:, :, [5, 2]])
     assert int(receiver[:, :, [1, 2, 3, 5]].abs().sum()) == 0
+
+
+def test_the_cpu_cache_is_zeroed_and_asks_for_huge_pages() -> None:
+    from pathlib import Path
+
+    from kernels.kv_cache import advise_huge_pages, new_kv_cache
+
+    cache = new_kv_cache(2, 300, 16, 3, 64, torch.float32, torch.device("cpu"))  # ~29 MB
+    assert int(cache.abs().sum()) == 0
+    assert not advise_huge_pages(torch.empty(1000))  # under 2 MiB: nothing to advise
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.is_file() and "[never]" not in thp.read_text():
+        assert advise_huge_pages(torch.empty(3 << 20))  # Linux took the advice

@@ -8,9 +8,10 @@
 time from spawning ``up`` to its status file saying ``ready`` (the gateway listens and every
 worker registered with it). Then a short greedy ``splitserve generate`` through the gateway
 proves it serves, and SIGINT stops it; a round fails if ``up`` exits non-zero or leaves a
-process behind. The services' logs split the time: the gateway listening, each worker's
-``worker.serving`` line with its ``engine_load_s`` (model load and engine set-up; the rest of
-a worker's start is its interpreter and imports), registration.
+process behind. The services' logs and their processes' start times split the time: each
+service's process starting, the gateway listening, each worker's ``worker.serving`` line with
+its ``engine_load_s`` (model load and engine set-up; the rest of a worker's start is its
+interpreter and imports), registration.
 
 ``--busy-core`` adds the same rounds while one busy-loop process (``python -c "while True:
 pass"``) holds a core: the "other core busy" case of ``make run``.
@@ -96,25 +97,56 @@ def _wall(event: dict) -> float:
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def phases(log_dir: Path, spawned_at: float, ready_s: float) -> dict:
-    """Where the time to ready went, from the services' logs (seconds after spawning ``up``):
-    the gateway listening (``up`` and the gateway starting), each worker serving (spawned once
-    the gateway listens: its imports, then ``engine_load_s``), and registration after the last."""
+def phases(log_dir: Path, spawned_at: float, ready_s: float, started: dict[str, float] | None = None) -> dict:
+    """Where the time to ready went (seconds after spawning ``up``), from the services' logs and
+    their processes' start times (``started``: service name -> seconds after ``up`` started,
+    :func:`service_starts`):
+    each service's start, the gateway listening, each worker serving (its start-up and imports,
+    then ``engine_load_s``), and registration after the last worker served."""
+    started = started or {}
     gateway = _at(log_events(log_dir / "gateway.log"), "gateway.listening")
-    out: dict = {"gateway_listening_s": None if gateway is None else _wall(gateway) - spawned_at, "workers": {}}
+    out: dict = {"gateway_started_s": started.get("gateway"),
+                 "gateway_listening_s": None if gateway is None else _wall(gateway) - spawned_at, "workers": {}}
     for path in sorted(log_dir.glob("*.log")):
         serving = _at(log_events(path), "worker.serving")
         if serving is None:
             continue
-        worker = {"serving_s": _wall(serving) - spawned_at, "engine_load_s": serving.get("engine_load_s")}
-        if worker["engine_load_s"] is not None and out["gateway_listening_s"] is not None:
-            # spawned right after the gateway listened: what is not the engine is start-up and imports
-            worker["imports_s"] = worker["serving_s"] - out["gateway_listening_s"] - worker["engine_load_s"]
+        worker = {"started_s": started.get(path.stem),
+                  "serving_s": _wall(serving) - spawned_at, "engine_load_s": serving.get("engine_load_s")}
+        if worker["engine_load_s"] is not None and worker["started_s"] is not None:
+            worker["imports_s"] = worker["serving_s"] - worker["started_s"] - worker["engine_load_s"]
         out["workers"][path.stem] = worker
     last = max((w["serving_s"] for w in out["workers"].values()), default=None)
     out["last_worker_serving_s"] = last
     out["registration_s"] = None if last is None else ready_s - last
     return out
+
+
+def process_start(pid: int) -> float | None:
+    """Seconds after boot that ``pid`` started (Linux ``/proc``, to a clock tick); None where unreadable."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def service_starts(up_pid: int, pids: list[int]) -> dict[str, float]:
+    """``up``'s services (``python -m splitserve.cli ROLE ...``) by the names of their logs, the
+    first of each role (the default 1 + 1): name -> seconds after ``up`` started that it started."""
+    starts: dict[str, float] = {}
+    up = process_start(up_pid)
+    for pid in pids if up is not None else []:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        role = argv[argv.index("splitserve.cli") + 1] if "splitserve.cli" in argv[:-1] else None
+        name = "gateway" if role == "gateway" else f"{role}-0"
+        at = process_start(pid)
+        if role is not None and at is not None and name not in starts:
+            starts[name] = at - up
+    return starts
 
 
 def child_pids(pid: int) -> list[int]:
@@ -172,18 +204,20 @@ def ours_round(work: Path, name: str) -> dict:
         spawned_at, started = time.time(), time.monotonic()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         children: list[int] = []
+        starts: dict[str, float] = {}
         try:
             state = wait_ready(proc, status)
             record["ready_s"] = time.monotonic() - started
             record["load_at_ready"] = load_average()
             children = child_pids(proc.pid)
+            starts = service_starts(proc.pid, children)
             record["generate"] = generate(state["gateway"])
         except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
             record["error"] = str(exc)
         finally:
             children = children or child_pids(proc.pid)
             record["stop"] = stop(proc, children)
-    record["phases"] = phases(log_dir, spawned_at, record.get("ready_s", 0.0))
+    record["phases"] = phases(log_dir, spawned_at, record.get("ready_s", 0.0), starts)
     record["load_after"] = load_average()
     record["ok"] = round_ok(record)
     return record

@@ -4,6 +4,8 @@ the services' logs, the clean stop, the busy core and the summary (no cluster or
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -55,10 +57,13 @@ def test_phases_split_the_time_from_the_logs(tmp_path: Path) -> None:
     _log(tmp_path / "decode-0.log", ("worker.serving", "2027-01-15T08:00:07.500000Z", {"engine_load_s": 3.0}))
     _log(tmp_path / "prefill-0.log", ("worker.serving", "2027-01-15T08:00:08.000000Z", {"engine_load_s": 4.5}))
     _log(tmp_path / "up.log", ("up.ready", "2027-01-15T08:00:08.100000Z", {}))
-    out = cold_start.phases(tmp_path, spawned_at, ready_s=8.25)
-    assert out["gateway_listening_s"] == pytest.approx(2.0)
-    assert out["workers"]["decode-0"] == pytest.approx({"serving_s": 7.5, "engine_load_s": 3.0, "imports_s": 2.5})
-    assert out["workers"]["prefill-0"] == pytest.approx({"serving_s": 8.0, "engine_load_s": 4.5, "imports_s": 1.5})
+    started = {"gateway": 0.25, "decode-0": 0.5, "prefill-0": 0.75}  # seconds after up started
+    out = cold_start.phases(tmp_path, spawned_at, ready_s=8.25, started=started)
+    assert out["gateway_started_s"] == 0.25 and out["gateway_listening_s"] == pytest.approx(2.0)
+    assert out["workers"]["decode-0"] == pytest.approx(
+        {"started_s": 0.5, "serving_s": 7.5, "engine_load_s": 3.0, "imports_s": 4.0})
+    assert out["workers"]["prefill-0"] == pytest.approx(
+        {"started_s": 0.75, "serving_s": 8.0, "engine_load_s": 4.5, "imports_s": 2.75})
     assert set(out["workers"]) == {"decode-0", "prefill-0"}
     assert out["last_worker_serving_s"] == pytest.approx(8.0)
     assert out["registration_s"] == pytest.approx(0.25)
@@ -66,8 +71,34 @@ def test_phases_split_the_time_from_the_logs(tmp_path: Path) -> None:
 
 def test_phases_of_a_start_that_never_got_far(tmp_path: Path) -> None:
     out = cold_start.phases(tmp_path, 0.0, ready_s=0.0)
-    assert out == {"gateway_listening_s": None, "workers": {}, "last_worker_serving_s": None,
-                   "registration_s": None}
+    assert out == {"gateway_started_s": None, "gateway_listening_s": None, "workers": {},
+                   "last_worker_serving_s": None, "registration_s": None}
+
+
+# Like ``up``: a service process spawned a while after it, named by its role on its command line.
+LIKE_UP = """
+import subprocess, sys, time
+time.sleep(0.5)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "splitserve.cli", "decode"])
+time.sleep(30)
+"""
+
+
+def test_service_starts_finds_each_service_and_when_it_started() -> None:
+    up = subprocess.Popen([sys.executable, "-c", LIKE_UP])
+    try:
+        deadline = time.monotonic() + 20
+        while not cold_start.child_pids(up.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        children = cold_start.child_pids(up.pid)
+        starts = cold_start.service_starts(up.pid, children)
+    finally:
+        for pid in cold_start.child_pids(up.pid):
+            os.kill(pid, signal.SIGKILL)
+        up.kill()
+        up.wait()
+    assert list(starts) == ["decode-0"] and len(children) == 1
+    assert 0.5 <= starts["decode-0"] < 20
 
 
 # A parent like ``up`` whose child ignores SIGINT and outlives it, as a leaked service would.

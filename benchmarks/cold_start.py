@@ -21,8 +21,8 @@ the same weights (the default GGUF dequantised to a float32 checkpoint with its 
 ``benchmarks.serve_vs_vllm.export_hf``), at its best setting here (``VLLM_CPU_OMP_THREADS_BIND=0-1``):
 the time from spawn until ``/health`` answers, which its API server does once the engine
 loaded the model, compiled it and sized the KV cache, i.e. ready to serve; then one short
-completion. Whether its compile cache (``~/.cache/vllm``) was warm is recorded: the first
-start compiles (minutes), later ones load the cache.
+completion. Whether its compile cache (``~/.cache/vllm``) served is read from its log (hit:
+it loaded the compiled model; miss: it compiled, as on the first start for a model folder).
 
 The table gives min / median / max seconds to ready per config with the 1-minute load
 average at each round; the goal is ours ready within 10 s (median of the quiet rounds).
@@ -246,6 +246,17 @@ def compile_cache_entries(cache: Path = VLLM_CACHE) -> int:
     return sum(1 for p in cache.rglob("*") if p.is_file()) if cache.is_dir() else 0
 
 
+def compile_cache_use(log: str) -> str:
+    """What vLLM's log says of its compile cache: ``hit`` (it loaded the compiled model),
+    ``miss`` (it compiled and saved it: the cache held nothing for this model and setting), or
+    ``unknown``. Its key includes the model's path, so a new checkpoint folder is a miss."""
+    if "Directly load AOT compilation" in log or "Directly load the compiled graph" in log:
+        return "hit"
+    if "saved AOT compiled function" in log:
+        return "miss"
+    return "unknown"
+
+
 def vllm_round(python: Path, hf: Path, work: Path, name: str) -> dict:
     """A fresh ``vllm serve``: time from spawn until ``/health`` answers, then one completion."""
     from benchmarks.serve_vs_vllm import free_port, vllm_serve, wait_http
@@ -254,7 +265,6 @@ def vllm_round(python: Path, hf: Path, work: Path, name: str) -> dict:
     cmd, env = vllm_serve(python, hf, port)
     url = f"http://127.0.0.1:{port}"
     record: dict = {"load_before": load_average(), "cache_entries_before": compile_cache_entries()}
-    record["cache_warm"] = record["cache_entries_before"] > 0
     log_path = work / f"{name}.log"
     with open(log_path, "w") as log:
         started = time.monotonic()
@@ -274,6 +284,7 @@ def vllm_round(python: Path, hf: Path, work: Path, name: str) -> dict:
                 proc.kill()
                 record["exit_code"] = proc.wait()
     record["cache_entries_after"] = compile_cache_entries()
+    record["compile_cache"] = compile_cache_use(log_path.read_text(errors="replace"))
     record["load_after"] = load_average()
     record["ok"] = "ready_s" in record and record.get("generate", {}).get("ok", False)
     return record
@@ -312,7 +323,11 @@ def summary(rounds: dict[str, list[dict]], goal_s: float = GOAL_S) -> tuple[dict
                            "load_1m": loads}
         text = "failed" if ready is None else f"{ready['min']:.1f} / {ready['median']:.1f} / {ready['max']:.1f}"
         load_text = ", ".join("?" if v is None else f"{v:.2f}" for v in loads)
-        lines.append(f"| {config} | {figures[config]['ok']}/{len(runs)} | {text} | {load_text} |")
+        cache = [r["compile_cache"] for r in runs if "compile_cache" in r]
+        if cache:
+            figures[config]["compile_cache"] = cache
+        label = f"{config} (compile cache: {', '.join(cache)})" if cache else config
+        lines.append(f"| {label} | {figures[config]['ok']}/{len(runs)} | {text} | {load_text} |")
     ours = figures.get("ours", {}).get("ready_s")
     met = None if ours is None else ours["median"] <= goal_s
     figures["goal"] = {"what": f"ours ready within {goal_s:g} s (median)", "goal_s": goal_s,
@@ -377,7 +392,7 @@ def vllm_rounds(args: argparse.Namespace, work: Path) -> list[dict]:
     out = []
     for i in range(args.vllm_rounds):
         out.append(vllm_round(python.absolute(), hf, work, f"vllm-{i}"))
-        say(f"vllm round {i}: {_brief(out[-1])} (compile cache warm: {out[-1].get('cache_warm')})")
+        say(f"vllm round {i}: {_brief(out[-1])} (compile cache: {out[-1].get('compile_cache')})")
     return out
 
 

@@ -143,7 +143,7 @@ def _round(ready_s: float, load: float, ok: bool = True) -> dict:
 def test_summary_gives_the_spread_loads_and_goal() -> None:
     rounds = {"ours": [_round(6.0, 1.0), _round(12.0, 1.5), _round(8.0, 2.0), _round(1.0, 2.5, ok=False)],
               "ours_busy": [_round(14.0, 3.0)],
-              "vllm": [{**_round(52.0, 2.0), "cache_warm": True}]}
+              "vllm": [{**_round(52.0, 2.0), "compile_cache": "hit"}]}
     figures, lines = cold_start.summary(rounds)
     assert figures["ours"]["ready_s"] == {"min": 6.0, "median": 8.0, "max": 12.0, "n": 3}
     assert figures["ours"]["ok"] == 3 and figures["ours"]["rounds"] == 4
@@ -153,7 +153,8 @@ def test_summary_gives_the_spread_loads_and_goal() -> None:
     assert figures["goal"] == {"what": "ours ready within 10 s (median)", "goal_s": 10.0, "median_s": 8.0,
                                "met": True}
     assert "| ours | 3/4 | 6.0 / 8.0 / 12.0 | 1.00, 1.50, 2.00, 2.50 |" in lines
-    assert "| vllm | 1/1 | 52.0 / 52.0 / 52.0 | 2.00 |" in lines
+    assert "| vllm (compile cache: hit) | 1/1 | 52.0 / 52.0 / 52.0 | 2.00 |" in lines
+    assert figures["vllm"]["compile_cache"] == ["hit"] and "compile_cache" not in figures["ours"]
     assert lines[-1] == "goal: ours ready within 10 s: median 8.0 s -- met (load 1m 1.00, 1.50, 2.00, 2.50)"
 
 
@@ -171,3 +172,12 @@ def test_flags() -> None:
     assert args.rounds == 3 and args.busy_core and args.skip_vllm and args.vllm_rounds == 1
     with pytest.raises(SystemExit):
         cold_start.parse_args(["--rounds", "0"])
+
+
+def test_the_compile_cache_is_read_from_vllms_log() -> None:
+    saved = ("(Worker pid=11758) INFO 12-02 07:30:15 [decorators.py:743] [backbone] saved AOT compiled function "
+             "to /root/.cache/vllm/torch_compile_cache/torch_aot_compile/42a38d/rank_0_0/model")
+    loaded = "(Worker pid=9) INFO [decorators.py:320] [backbone] Directly load AOT compilation from path /root/.cache/x"
+    assert cold_start.compile_cache_use(f"Starting to load model\n{saved}\n") == "miss"
+    assert cold_start.compile_cache_use(f"Starting to load model\n{loaded}\n") == "hit"
+    assert cold_start.compile_cache_use("Starting vLLM server on http://127.0.0.1:1\n") == "unknown"

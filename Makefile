@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 50051
 
-.PHONY: setup run test test-avx2 tools bench bench-throughput report chaos fuzz gpu-check wheel-check vllm-venv clean
+.PHONY: setup run test test-avx2 tools bench bench-throughput bench-cold-start report chaos fuzz gpu-check wheel-check vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard protos/splitserve_api/v1/*.proto) $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,11 @@ bench: $(STAMP)
 # Offline throughput: our engine against transformers on a seeded random 32M Llama.
 bench-throughput: $(STAMP)
 	nice $(PY) -m benchmarks.throughput
+
+# Cold start (#25): fresh `splitserve up` starts on the default model until ready (goal <= 10 s),
+# quiet and with one core held by a busy loop, beside fresh `vllm serve` starts on the same weights.
+bench-cold-start: $(STAMP)
+	nice $(PY) -m benchmarks.cold_start --busy-core
 
 # The whole benchmark report: the peers (benchmarks.peers: our engine against transformers and
 # vLLM-CPU, and our deployments, on the same prompts) to a file, then online load, cost and

@@ -74,7 +74,8 @@ def scrape(port: int) -> dict[str, float]:
     return values
 
 
-def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = READY_TIMEOUT_S) -> None:
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = READY_TIMEOUT_S,
+              poll_s: float = 1.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -83,7 +84,7 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float =
             urllib.request.urlopen(url, timeout=5).read()
             return
         except OSError:
-            time.sleep(1.0)
+            time.sleep(poll_s)
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
@@ -151,13 +152,19 @@ def _counter_deltas(before: dict, after: dict) -> dict[str, float]:
     return {key: after[svc].get(metric, 0.0) - before[svc].get(metric, 0.0) for key, (svc, metric) in names.items()}
 
 
-def run_vllm(hf: Path, args: argparse.Namespace, out_dir: Path) -> dict:
-    port = free_port()
+def vllm_serve(vllm_python: Path, hf: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    """``vllm serve`` on ``hf`` at its best setting here, as a command and its environment."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2", VLLM_TARGET_DEVICE="cpu",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-    cmd = [str(args.vllm_python), str(VLLM_CLI), "serve", str(hf), "--served-model-name", "smollm2-f32",
+    cmd = [str(vllm_python), str(VLLM_CLI), "serve", str(hf), "--served-model-name", "smollm2-f32",
            "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048",
            "--seed", "0"]
+    return cmd, env
+
+
+def run_vllm(hf: Path, args: argparse.Namespace, out_dir: Path) -> dict:
+    port = free_port()
+    cmd, env = vllm_serve(args.vllm_python, hf, port)
     with open(out_dir / "vllm-serve.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out_dir)
         try:

@@ -4,6 +4,7 @@ reports, metrics, registration with the gateway, and the serve/drain lifecycle."
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -204,7 +205,9 @@ async def serve_worker(
     A worker has only internal RPCs: its ``--port`` is an internal surface (mTLS and/or the
     shared secret, ``plumbing/servers.py``); ``--health-port`` serves probes."""
     install_loop_exception_handler()
+    started = time.monotonic()
     engine = Engine(config.engine)
+    load_s = time.monotonic() - started  # model load and engine set-up: the cold start's main part
     adopt_library_loggers()  # transformers attached its own stderr handler on import
     worker = make_worker(config, engine)
     tee = KVEventTee.install(engine.kv.pool)  # one KV-event log per gateway, before the engine runs
@@ -222,7 +225,8 @@ async def serve_worker(
     worker.registration.start()
     reloads = asyncio.ensure_future(worker.security.watch())
     log.info("worker.serving", role=worker.role_name, address=public, health_address=health_address,
-             metrics_port=metrics_port, kv_blocks=engine.kv.num_blocks, **worker.security.describe())
+             metrics_port=metrics_port, kv_blocks=engine.kv.num_blocks, engine_load_s=round(load_s, 3),
+             **worker.security.describe())
     if config.server.ready_file:
         write_ready_file(config.server.ready_file, [public, *([health_address] if health_address else [])])
     await rpc.wait_for_signal()

@@ -18,6 +18,7 @@ import argparse
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,28 @@ from splitserve.client import ClientAuth
 from splitserve.progress import ProgressWatch, write_status
 
 log = structlog.get_logger()
+
+
+def free_ports(hosts: list[str], avoid: int) -> list[int]:
+    """A port free now on each host, none of them ``avoid`` and no two alike (the kernel's picks,
+    held together while picking; another process could still take one before it is bound)."""
+    held: list[socket.socket] = []
+    try:
+        while len(held) < len(hosts):
+            host = hosts[len(held)]
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            s.bind((host, 0))
+            held.append(s)
+            if s.getsockname()[1] == avoid or s.getsockname()[1] in [h.getsockname()[1] for h in held[:-1]]:
+                held.pop().close()
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def service_command(role: str, flags: list[str]) -> list[str]:
@@ -63,7 +86,8 @@ class Cluster:
                  api_keys: list[str] | None = None, http_port: int | None = None,
                  http_flags: list[str] | None = None, num_gateways: int = 1,
                  gateway_hosts: list[str] | None = None, gateway_internal_port: int = 0,
-                 gateway_discovery: str | None = None, internal_secret: str | None = None) -> None:
+                 gateway_discovery: str | None = None, internal_secret: str | None = None,
+                 early_workers: bool = False) -> None:
         self.model = model
         self.port = port
         self.num_prefill = num_prefill
@@ -90,6 +114,9 @@ class Cluster:
             raise ValueError(f"gateway_hosts: one host per gateway ({num_gateways}), got {self.gateway_hosts}")
         self.gateway_internal_port = gateway_internal_port
         self.gateway_discovery = gateway_discovery  # the workers' --gateway; None: the static list
+        # Spawn the workers beside the gateways, not once they listen: each gateway gets a free
+        # internal port picked here, so the workers know it before it binds (``up``'s cold start).
+        self.early_workers = early_workers
         self.internal_secret = internal_secret  # every internal port asks for it; None: open (loopback)
         # TLS on every port and channel (mTLS inside) with one throwaway set (splitserve/certs.py),
         # API keys on the public port; ``client`` is what a client of this cluster needs.
@@ -111,10 +138,11 @@ class Cluster:
             flags += ["--internal-secret-file", str(secret)]
         return flags
 
-    def _gateway_flags(self, index: int) -> list[str]:
+    def _gateway_flags(self, index: int, internal_port: int | None = None) -> list[str]:
         port = self.port if index == 0 else 0
+        internal = self.gateway_internal_port if internal_port is None else internal_port
         flags = ["--model", self.model, "--host", self.gateway_hosts[index], "--port", str(port),
-                 "--internal-port", str(self.gateway_internal_port), *self._metrics(0 if index == 0 else -1)]
+                 "--internal-port", str(internal), *self._metrics(0 if index == 0 else -1)]
         if self.api_keys:
             keys = Path(self._tmp.name) / "api-keys"
             keys.write_text("\n".join(self.api_keys) + "\n")
@@ -158,13 +186,30 @@ class Cluster:
         """Start everything; return the gateway address once every worker registered with every
         gateway. Waits while the services make progress (not a fixed time: a busy machine loads
         slowly), and no longer than ``timeout_s`` where given."""
-        gateways = [(n, *self._spawn(n, "gateway", self._gateway_flags(i))) for i, n in enumerate(self.gateway_names)]
+        early = self.early_workers and self.gateway_discovery is None and not self.gateway_internal_port
+        internal = free_ports(self.gateway_hosts, self.port) if early else [None] * len(self.gateway_hosts)
+        gateways = [(n, *self._spawn(n, "gateway", self._gateway_flags(i, internal[i])))
+                    for i, n in enumerate(self.gateway_names)]
+        waiting = []
+        if early:  # the workers load their model while the gateways start; they register once those listen
+            waiting = self._spawn_workers(",".join(host_port(h, p) for h, p in zip(self.gateway_hosts, internal)))
         for name, proc, ready in gateways:
             self._ready(name, proc, ready, timeout_s)
-        discovery = self.gateway_discovery or ",".join(self.addresses[f"{n}-internal"] for n in self.gateway_names)
-        waiting = []
+        if not early:
+            waiting = self._spawn_workers(
+                self.gateway_discovery or ",".join(self.addresses[f"{n}-internal"] for n in self.gateway_names))
+        for name, proc, ready in waiting:
+            self._ready(name, proc, ready, timeout_s)
+        self._wait_registered(timeout_s)
+        if self.http_port is not None:
+            self._start_http(timeout_s)
+        return self.addresses["gateway"]
+
+    def _spawn_workers(self, discovery: str) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+        """Every prefill and decode worker, told to find the gateways at ``discovery``."""
         common = ["--model", self.model, "--gateway", discovery,
                   "--threads", str(self.threads), *self._security_flags(), *self.worker_flags]
+        waiting = []
         for i in range(self.num_prefill):
             waiting.append((f"prefill-{i}", *self._spawn(
                 f"prefill-{i}", "prefill", [*common, *self._metrics(1 + i), *self.prefill_flags])))
@@ -172,12 +217,7 @@ class Cluster:
             waiting.append((f"decode-{i}", *self._spawn(
                 f"decode-{i}", "decode",
                 [*common, *self._metrics(1 + self.num_prefill + i), *self.decode_flags])))
-        for name, proc, ready in waiting:
-            self._ready(name, proc, ready, timeout_s)
-        self._wait_registered(timeout_s)
-        if self.http_port is not None:
-            self._start_http(timeout_s)
-        return self.addresses["gateway"]
+        return waiting
 
     def _start_http(self, timeout_s: float | None) -> None:
         """The OpenAI-compatible front (``splitserve http``), a client of every gateway replica."""
@@ -267,6 +307,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         log_dir=args.log_dir, log_level=args.log_level, tls=bundle,
         http_port=args.http_port if args.http_port >= 0 else None, num_gateways=args.num_gateways,
         internal_secret=mint_secret(),  # secure by default: no process without it registers as a worker
+        early_workers=True,  # cold start: the workers load while the gateway starts
     )
     stopping = False
 

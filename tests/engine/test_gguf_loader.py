@@ -131,6 +131,38 @@ def test_spec_and_tokenizer_of_a_gguf_file_do_not_import_torch(tmp_path: Path) -
     assert out.stdout.strip() == "False"
 
 
+def _fields(reader: object) -> list[tuple]:
+    return [(name, f.offset, f.types, f.data, f.contents(), [(p.dtype, p.shape, p.tobytes()) for p in f.parts])
+            for name, f in reader.fields.items()]
+
+
+def test_the_reader_parses_every_field_as_gguf_does(tmp_path: Path) -> None:
+    """Arrays of numbers and strings parse in one pass (engine.models.gguf_reader._array_parts)
+    into exactly the fields, parts and tensors gguf's own reader gives."""
+    import gguf
+
+    path = checkpoint_to_gguf(TARGET, tmp_path / "target.gguf", chat_template=CHAT_TEMPLATE)  # vocabulary, merges
+    extra = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(extra), "llama")
+    writer.add_array("test.floats", [1.5, -2.25, 3.0])
+    writer.add_array("test.strings", ["", "é", "two words"])
+    writer.add_array("test.nested", [[1, 2], [3]])  # gguf's own path (arrays of arrays)
+    writer.add_token_types([1, 3, 4])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for file in (path, extra):
+        ours, ref = open_gguf(str(file)).reader, gguf.GGUFReader(str(file), "r")
+        assert _fields(ours) == _fields(ref)
+        assert [(t.name, t.data_offset, t.tensor_type, t.data.tobytes()) for t in ours.tensors] == [
+            (t.name, t.data_offset, t.tensor_type, t.data.tobytes()) for t in ref.tensors]
+    arrays = open_gguf(str(extra)).metadata
+    assert (arrays["test.floats"], arrays["test.strings"]) == ([1.5, -2.25, 3.0], ["", "é", "two words"])
+    assert arrays["test.nested"] == [1, 2, 3]  # gguf flattens nested arrays
+    assert open_gguf(str(extra)).reader.fields["test.strings"].contents(1) == "é"
+
+
 # -- errors -------------------------------------------------------------------------------
 def test_unsupported_tensor_type_is_named_at_load(tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
     path = checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "q5_0.gguf", qtype="Q5_0")

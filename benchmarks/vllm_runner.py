@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 
+AVX2_ONLY_ENV = "SPLITSERVE_VLLM_AVX2_ONLY"  # set by --avx2-only, inherited by vLLM's processes
 WARMUP_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]] * 2
 WARMUP_OUTPUT_LEN = 8
 
@@ -50,13 +51,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def limit_to_avx2() -> None:
     """vLLM picks its kernel library (``vllm._C_AVX2`` or an AVX-512 one) and its attention
     kernels from ``torch.cpu._is_avx512*_supported()``, which read the CPU, not
-    ``ATEN_CPU_CAPABILITY``: answer them as an AVX2-only CPU would, before vLLM is imported
-    (its engine and worker processes fork from this one and keep the answers). ATen and
-    oneDNN are limited by the environment the caller sets."""
-    import torch
-
+    ``ATEN_CPU_CAPABILITY``: answer them as an AVX2-only CPU would, here and in every process
+    vLLM starts. Its CPU workers are spawned (fresh interpreters) and import this script as
+    ``__mp_main__`` before anything of vLLM: the variable below makes them answer the same
+    (module level, at the end of this file). ATen and oneDNN are limited by the environment
+    the caller sets."""
     if os.environ.get("ATEN_CPU_CAPABILITY") != "avx2" or os.environ.get("ONEDNN_MAX_CPU_ISA") != "AVX2":
         raise SystemExit("--avx2-only needs ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 in the environment")
+    os.environ[AVX2_ONLY_ENV] = "1"
+    answer_as_avx2_only()
+
+
+def answer_as_avx2_only() -> None:
+    import torch
+
     for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
                  "_is_amx_tile_supported", "_is_amx_fp16_supported"):
         if hasattr(torch.cpu, name):
@@ -156,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, handle)
     return code
 
+
+if os.environ.get(AVX2_ONLY_ENV) == "1":  # a vLLM worker spawned under --avx2-only (limit_to_avx2)
+    answer_as_avx2_only()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,6 +13,8 @@
 // Tiles: NT weight rows x MT activation rows share each dequantized block; the weight rows of
 // a tile stay in L1 while every MT-row group of x passes over them, so the weights stream
 // from memory once per call whatever M is. Work is split over N on the intra-op threads.
+// One activation row (batch-1 decode) takes row_tile instead: a row's blocks in groups of
+// kLanes with their scales applied by one FMA per group (measured below it).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -56,10 +58,10 @@ inline void q8_floats(const uint8_t* q, VF* out) {
   }
 }
 inline void q4_floats(const uint8_t* qs, VF* out) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
-  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+  // byte j -> lane j, then its low nibble is weight j and its high nibble weight j + 16
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
 #elif defined(CPU_CAPABILITY_AVX2)
 inline VF cvt8(__m128i bytes_lo8, bool is_signed) {
@@ -144,6 +146,58 @@ void tile(const Problem& p, int64_t n0, int64_t m0) {
   }
 }
 
+// One activation row (batch-1 decode), NT weight rows one after the other (a tile's rows are
+// one contiguous run of bytes, which the hardware prefetcher follows), the blocks taken kLanes
+// at a time: each block's products stay a vector, the kLanes vectors are summed lane-wise into
+// one (lane j: block j's q . x), and one FMA applies the kLanes scales d (and, for Q4_1, the
+// minimums m against x's block sums) instead of a scalar conversion and broadcast per block.
+// The blocks past the last whole group go one by one. The default model's 121 projections on
+// one thread (Zen 5): Q8_0 9.4 -> 6.3 ms (AVX2 9.5 -> 7.0), Q4_1 8.1 -> 7.6 ms (AVX2 8.9 -> 8.8).
+// q . x of one block as a vector of partial sums (the block's weights, not yet scaled by d).
+template <int kind>
+inline VF block_dot(const uint8_t* blk, const float* xb) {
+  VF q[kVecs];
+  if constexpr (kind == kQ8_0) {
+    q8_floats(blk + 2, q);
+  } else {
+    q4_floats(blk + 4, q);
+  }
+  VF s = vmul(q[0], vload(xb));
+  for (int v = 1; v < kVecs; ++v) s = vfma(q[v], vload(xb + v * kLanes), s);
+  return s;
+}
+
+template <int kind, int NT>
+void row_tile(const Problem& p, int64_t n0) {
+  const int64_t blocks = p.K / kBlock, grouped = blocks / kLanes * kLanes;
+  float out[NT];  // the rows' results, stored together at the end
+  for (int a = 0; a < NT; ++a) {
+    const uint8_t* row = p.w + (n0 + a) * p.row_bytes;
+    VF acc = vzero(), macc = vzero();
+    for (int64_t b0 = 0; b0 < grouped; b0 += kLanes) {
+      __builtin_prefetch(row + (b0 + 4 * kLanes) * kBlockBytes[kind], 0, 0);  // the weights stream in row order
+      VF dots[kLanes];
+      alignas(64) uint16_t dh[kLanes], mh[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        const uint8_t* blk = row + (b0 + j) * kBlockBytes[kind];
+        std::memcpy(&dh[j], blk, 2);
+        if constexpr (kind == kQ4_1) std::memcpy(&mh[j], blk + 2, 2);
+        dots[j] = block_dot<kind>(blk, p.x + (b0 + j) * kBlock);
+      }
+      acc = vfma(vhalves(dh), vsum_each(dots), acc);
+      if constexpr (kind == kQ4_1) macc = vfma(vhalves(mh), vload(p.xsum + b0), macc);
+    }
+    float y = vsum(acc) + vsum(macc);
+    for (int64_t b = grouped; b < blocks; ++b) {  // the last blocks, one by one
+      const uint8_t* blk = row + b * kBlockBytes[kind];
+      y += half_to_float(blk) * vsum(block_dot<kind>(blk, p.x + b * kBlock));
+      if constexpr (kind == kQ4_1) y += half_to_float(blk + 2) * p.xsum[b];
+    }
+    out[a] = y;
+  }
+  for (int a = 0; a < NT; ++a) p.y[n0 + a] = out[a];
+}
+
 constexpr int kMT = 4;  // activation rows per tile (batches)
 constexpr int kNT = 4;  // weight rows per tile
 
@@ -204,6 +258,7 @@ void rows_via_scratch(const Problem& p, int64_t n0) {
 template <int kind, int NT>
 void rows(const Problem& p, int64_t n0) {
   if (p.M >= kScratchMinRows) return rows_via_scratch<kind, NT>(p, n0);
+  if (p.M == 1) return row_tile<kind, NT>(p, n0);
   int64_t m = 0;
   for (; m + kMT <= p.M; m += kMT) tile<kind, NT, kMT>(p, n0, m);
   for (; m < p.M; ++m) tile<kind, NT, 1>(p, n0, m);

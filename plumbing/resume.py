@@ -165,6 +165,8 @@ async def generate_resumable(stub: gateway_pb2_grpc.GatewayStub, request: gatewa
                 return
             error: grpc.RpcError = BrokenStream()
         except grpc.aio.AioRpcError as exc:
+            if state.finished:  # the final chunk came: a cut after it (its gateway killed) loses nothing
+                return
             error = exc
         finally:
             call.cancel()

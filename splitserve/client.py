@@ -86,6 +86,8 @@ class GatewayClient:
                     return
                 error: grpc.RpcError = BrokenStream()
             except grpc.RpcError as exc:
+                if state.finished:  # the final chunk came: a cut after it (its gateway killed) loses nothing
+                    return
                 error = exc
             finally:
                 call.cancel()

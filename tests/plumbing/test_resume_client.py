@@ -26,7 +26,8 @@ FAST = ResumePolicy(max_retries=5, first_backoff_s=0.01, max_backoff_s=0.05)
 
 class ScriptedGateway(gateway_pb2_grpc.GatewayServicer):
     """Call i (0-based) breaks after ``breaks[i]`` chunks ("end": ends OK without a final
-    chunk); calls past the list run to the end. Two tokens per chunk."""
+    chunk; "after-final": aborts after its final chunk); calls past the list run to the end.
+    Two tokens per chunk."""
 
     def __init__(self, breaks: list[int | str], code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         self.breaks = breaks
@@ -50,6 +51,8 @@ class ScriptedGateway(gateway_pb2_grpc.GatewayServicer):
             finish_reason=common_pb2.FINISH_REASON_LENGTH,
             timings=common_pb2.PhaseTimings(resumes=request.resume.num_previous_resumes + 1
                                             if request.HasField("resume") else 0))
+        if plan == "after-final":  # killed between its final chunk and the stream's status
+            await context.abort(self.code, "Socket closed")
 
 
 async def _serve(gateways: list[ScriptedGateway]) -> tuple[list[grpc.aio.Server], str]:
@@ -108,6 +111,28 @@ def test_a_stream_that_ends_without_its_final_chunk_is_resumed() -> None:
     chunks, code = run_sync([gateway])
     assert code is None and tokens(chunks) == SCRIPT[:12]
     assert list(gateway.requests[1].resume.token_ids) == SCRIPT[:2]
+
+
+def test_a_cut_after_the_final_chunk_is_a_whole_reply_not_an_error() -> None:
+    # A gateway killed after sending the final chunk but before the stream's OK: every token
+    # arrived, so the request succeeded (found by the replicas' kill test); nothing is re-sent.
+    gateway = ScriptedGateway(["after-final"])
+    chunks, code = run_sync([gateway])
+    assert code is None and tokens(chunks) == SCRIPT[:12] and chunks[-1].finish_reason
+    assert len(gateway.requests) == 1
+
+    async def main() -> list[gateway_pb2.GenerateResponse]:
+        again = ScriptedGateway(["after-final"])
+        servers, target = await _serve([again])
+        async with grpc.aio.insecure_channel(gateway_target(target), options=LOAD_BALANCING) as channel:
+            stream = generate_resumable(gateway_pb2_grpc.GatewayStub(channel), make_request([1], 8),
+                                        timeout_s=20, policy=FAST)
+            got = [c async for c in stream]
+        for server in servers:
+            await server.stop(0)
+        assert len(again.requests) == 1
+        return got
+    assert tokens(asyncio.run(main())) == SCRIPT[:8]
 
 
 def test_two_gateways_one_dying_every_time_it_is_called() -> None:

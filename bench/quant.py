@@ -145,7 +145,7 @@ def speed(engines: dict[str, Engine], chat_prompt: list[int], rounds: int) -> di
 
 def kv_bytes(engines: dict[str, Engine], model: Path) -> dict:
     handoff, per_token, max_seqs = {}, {}, {}
-    for name in ("fp32", "kv-int8"):
+    for name in (n for n in ("fp32", "kv-int8") if n in engines):  # what --configs ran
         engine = engines[name]
         layout = engine.kv_layout
         per_token[name] = layout.bytes_per_block // layout.block_size

@@ -72,6 +72,33 @@ def test_native_matches_the_reference(qtype: str, n: int, k: int, m: int) -> Non
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+def test_q4_1_activations_are_rounded_to_8_bits_per_block() -> None:
+    x = torch.zeros(2, 40)
+    x[0, :32] = torch.arange(32) - 12.7  # the largest magnitude is the last, 18.3
+    x[0, 32:] = torch.tensor([0.5, -0.25, 0, 0, 0, 0, 0, 0])  # the padded last block: d = 0.5 / 127
+    got = qm.round_activations_q8(x)
+    d = x[0, 31] / 127
+    assert torch.equal(got[0, :32], torch.round((torch.arange(32) - 12.7) / d) * d)
+    d_last = torch.tensor(0.5) / 127
+    assert torch.equal(got[0, 32:34], torch.tensor([127.0, -64.0]) * d_last)  # -63.5 ties to even
+    assert got[0, :32].sub(x[0, :32]).abs().max() <= d / 2
+    assert torch.equal(got[1], torch.zeros(40))  # an all-zero block stays zero
+    assert torch.equal(qm.gguf_activations(x, "Q8_0"), x)  # Q8_0 takes x as it is
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_q4_1_rows_do_not_depend_on_the_batch(n: int, k: int) -> None:
+    # Batch 1 runs integer dot products, more rows the float kernels over the rounded x: the
+    # same values up to rounding order.
+    blocks = qm.quantize_q4_1(_weight(n, k))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(3))
+    together = qm.gguf_matmul_native(x, blocks, "Q4_1")
+    for i in range(9):
+        alone = qm.gguf_matmul_native(x[i : i + 1], blocks, "Q4_1")
+        torch.testing.assert_close(alone[0], together[i], rtol=1e-5, atol=1e-5 * float(together[i].abs().max()))
+
+
 @needs_native
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_native_weights_are_exactly_the_dequantized_ones(qtype: str) -> None:

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -158,49 +159,42 @@ constexpr int64_t kPrefetchBytes = 2048;
 // One activation row (batch-1 decode), NT weight rows one after the other (a tile's rows are
 // one contiguous run of bytes, which the hardware prefetcher follows), the blocks taken kLanes
 // at a time: each block's products stay a vector, the kLanes vectors are summed lane-wise into
-// one (lane j: block j's q . x), and one FMA applies the kLanes scales d (and, for Q4_1, the
-// minimums m against x's block sums) instead of a scalar conversion and broadcast per block.
-// The blocks past the last whole group go one by one. The default model's 121 projections on
-// one thread (Zen 5): Q8_0 9.4 -> 6.3 ms (AVX2 9.5 -> 7.0), Q4_1 8.1 -> 7.6 ms (AVX2 8.9 -> 8.8).
-// q . x of one block as a vector of partial sums (the block's weights, not yet scaled by d).
-template <int kind>
+// one (lane j: block j's q . x), and one FMA applies the kLanes scales d instead of a scalar
+// conversion and broadcast per block. Q8_0 only (Q4_1's one row is row_tile_x8). The blocks
+// past the last whole group go one by one. The default model's 121 projections on one thread
+// (Zen 5): Q8_0 9.4 -> 6.3 ms (AVX2 9.5 -> 7.0).
+// q . x of one Q8_0 block as a vector of partial sums (not yet scaled by d).
 inline VF block_dot(const uint8_t* blk, const float* xb) {
   VF q[kVecs];
-  if constexpr (kind == kQ8_0) {
-    q8_floats(blk + 2, q);
-  } else {
-    q4_floats(blk + 4, q);
-  }
+  q8_floats(blk + 2, q);
   VF s = vmul(q[0], vload(xb));
   for (int v = 1; v < kVecs; ++v) s = vfma(q[v], vload(xb + v * kLanes), s);
   return s;
 }
 
-template <int kind, int NT>
+template <int NT>
 void row_tile(const Problem& p, int64_t n0) {
+  constexpr int64_t bb = kBlockBytes[kQ8_0];
   const int64_t blocks = p.K / kBlock, grouped = blocks / kLanes * kLanes;
   float out[NT];  // the rows' results, stored together at the end
   for (int a = 0; a < NT; ++a) {
     const uint8_t* row = p.w + (n0 + a) * p.row_bytes;
-    VF acc = vzero(), macc = vzero();
+    VF acc = vzero();
     for (int64_t b0 = 0; b0 < grouped; b0 += kLanes) {
-      __builtin_prefetch(row + (b0 + 4 * kLanes) * kBlockBytes[kind], 0, 0);  // the weights stream in row order
+      __builtin_prefetch(row + (b0 + 4 * kLanes) * bb, 0, 0);  // the weights stream in row order
       VF dots[kLanes];
-      alignas(64) uint16_t dh[kLanes], mh[kLanes];
+      alignas(64) uint16_t dh[kLanes];
       for (int j = 0; j < kLanes; ++j) {
-        const uint8_t* blk = row + (b0 + j) * kBlockBytes[kind];
+        const uint8_t* blk = row + (b0 + j) * bb;
         std::memcpy(&dh[j], blk, 2);
-        if constexpr (kind == kQ4_1) std::memcpy(&mh[j], blk + 2, 2);
-        dots[j] = block_dot<kind>(blk, p.x + (b0 + j) * kBlock);
+        dots[j] = block_dot(blk, p.x + (b0 + j) * kBlock);
       }
       acc = vfma(vhalves(dh), vsum_each(dots), acc);
-      if constexpr (kind == kQ4_1) macc = vfma(vhalves(mh), vload(p.xsum + b0), macc);
     }
-    float y = vsum(acc) + vsum(macc);
+    float y = vsum(acc);
     for (int64_t b = grouped; b < blocks; ++b) {  // the last blocks, one by one
-      const uint8_t* blk = row + b * kBlockBytes[kind];
-      y += half_to_float(blk) * vsum(block_dot<kind>(blk, p.x + b * kBlock));
-      if constexpr (kind == kQ4_1) y += half_to_float(blk + 2) * p.xsum[b];
+      const uint8_t* blk = row + b * bb;
+      y += half_to_float(blk) * vsum(block_dot(blk, p.x + b * kBlock));
     }
     out[a] = y;
   }
@@ -240,23 +234,37 @@ inline int64_t qx_pos(int64_t b, int64_t nb, int k) {
   return b * kBlock + k;
 }
 
-// One row of x (K floats) -> its q_x (the layout above), block scales dx and the rounded
-// blocks' sums dx * sum_k q_x,k.
+// One block of x (32 floats) rounded: q (natural order); returns its scale dx, and the
+// rounded block's sum dx * sum_k q_k into *sum.
+inline float round_block(const float* xb, int8_t* q, float* sum) {
+  float amax = 0.0f;
+  for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::abs(xb[k]));
+  const float d = amax / 127.0f;
+  int32_t qsum = 0;
+  for (int k = 0; k < kBlock; ++k) {
+    q[k] = d == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(xb[k] / d));
+    qsum += q[k];
+  }
+  *sum = d * static_cast<float>(qsum);
+  return d;
+}
+
+// One row of x (K floats) -> its q_x (the layout above), block scales dx and sums xsum.
 void quantize_x(const float* x, int64_t K, int8_t* qx, float* dx, float* xsum) {
   const int64_t nb = K / kBlock;
   for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.0f;
-    for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::abs(xb[k]));
-    const float d = amax / 127.0f;
-    int32_t qsum = 0;
-    for (int k = 0; k < kBlock; ++k) {
-      const int8_t q = d == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(xb[k] / d));
-      qx[qx_pos(b, nb, k)] = q;
-      qsum += q;
-    }
-    dx[b] = d;
-    xsum[b] = d * static_cast<float>(qsum);
+    int8_t q[kBlock];
+    dx[b] = round_block(x + b * kBlock, q, xsum + b);
+    for (int k = 0; k < kBlock; ++k) qx[qx_pos(b, nb, k)] = q[k];
+  }
+}
+
+// One row of x (K floats) -> x^ = dx * q_x in float (natural order) and the block sums.
+void round_x(const float* x, int64_t K, float* xr, float* xsum) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    int8_t q[kBlock];
+    const float d = round_block(x + b * kBlock, q, xsum + b);
+    for (int k = 0; k < kBlock; ++k) xr[b * kBlock + k] = d * static_cast<float>(q[k]);
   }
 }
 
@@ -424,27 +432,33 @@ void rows_via_scratch(const Problem& p, int64_t n0) {
 template <int kind, int NT>
 void rows(const Problem& p, int64_t n0) {
   if (p.M >= kScratchMinRows) return rows_via_scratch<kind, NT>(p, n0);
-  if (p.M == 1) return row_tile<kind, NT>(p, n0);
+  if constexpr (kind == kQ8_0) {
+    if (p.M == 1) return row_tile<NT>(p, n0);  // (Q4_1's one row never gets here: row_tile_x8)
+  }
   int64_t m = 0;
   for (; m + kMT <= p.M; m += kMT) tile<kind, NT, kMT>(p, n0, m);
   for (; m < p.M; ++m) tile<kind, NT, 1>(p, n0, m);
 }
 
-template <int kind>
-void run(const Problem& p) {
-  const int64_t tiles = (p.N + kNT - 1) / kNT;
-  // ~64K weights per task: a 576 x 1536 projection splits in ~14 tasks.
-  const int64_t grain = std::max<int64_t>(1, 65536 / (kNT * p.K) );
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+// Weight rows in tiles of kNT over the intra-op threads: tile(n0, kNT), the last rows
+// tile(n, 1) one by one. ~64K weights per task: a 576 x 1536 projection splits in ~14 tasks.
+template <class Tile>
+void for_each_tile(int64_t N, int64_t K, const Tile& tile) {
+  at::parallel_for(0, (N + kNT - 1) / kNT, std::max<int64_t>(1, 65536 / (kNT * K)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kNT;
-      if (n0 + kNT <= p.N) {
-        rows<kind, kNT>(p, n0);
+      if (n0 + kNT <= N) {
+        tile(n0, std::integral_constant<int, kNT>{});
       } else {
-        for (int64_t n = n0; n < p.N; ++n) rows<kind, 1>(p, n);
+        for (int64_t n = n0; n < N; ++n) tile(n, std::integral_constant<int, 1>{});
       }
     }
   });
+}
+
+template <int kind>
+void run(const Problem& p) {
+  for_each_tile(p.N, p.K, [&](int64_t n0, auto nt) { rows<kind, decltype(nt)::value>(p, n0); });
 }
 
 at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
@@ -473,35 +487,17 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int64_
   }
   // Q4_1: x rounded to 8 bits per block (above), its block sums for the minimums' term.
   const int64_t nb = K / kBlock;
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dx(M * nb), xsum(M * nb);
-  for (int64_t i = 0; i < M; ++i) {
-    quantize_x(xd + i * xp.stride(0), K, qx.data() + i * K, dx.data() + i * nb, xsum.data() + i * nb);
-  }
   if (M == 1) {
+    std::vector<int8_t> qx(K);
+    std::vector<float> dx(nb), xsum(nb);
+    quantize_x(xd, K, qx.data(), dx.data(), xsum.data());
     const X8Problem p{qx.data(), dx.data(), xsum.data(), blocks.data_ptr<uint8_t>(), blocks.size(1),
                       y.data_ptr<float>(), N, K};
-    at::parallel_for(0, (N + kNT - 1) / kNT, std::max<int64_t>(1, 65536 / (kNT * K)), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t n0 = t * kNT;
-        if (n0 + kNT <= N) {
-          row_tile_x8<kNT>(p, n0);
-        } else {
-          for (int64_t n = n0; n < N; ++n) row_tile_x8<1>(p, n);
-        }
-      }
-    });
+    for_each_tile(N, K, [&](int64_t n0, auto nt) { row_tile_x8<decltype(nt)::value>(p, n0); });
     return y;
   }
-  std::vector<float> xr(M * K);  // x^ = dx * q_x, in the natural order
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* q = qx.data() + i * K;
-      float* o = xr.data() + i * K + b * kBlock;
-      const float d = dx[i * nb + b];
-      for (int k = 0; k < kBlock; ++k) o[k] = d * static_cast<float>(q[qx_pos(b, nb, k)]);
-    }
-  }
+  std::vector<float> xr(M * K), xsum(M * nb);  // x^ in float, natural order
+  for (int64_t i = 0; i < M; ++i) round_x(xd + i * xp.stride(0), K, xr.data() + i * K, xsum.data() + i * nb);
   run<kQ4_1>(Problem{xr.data(), K, blocks.data_ptr<uint8_t>(), blocks.size(1), xsum.data(),
                      y.data_ptr<float>(), M, N, K});
   return y;

@@ -155,6 +155,7 @@ class ModelRunner:
     def pack_kv(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Pages ``block_ids`` of every layer, ``[num_layers, 2, n, block_size, kv_heads,
         head_dim]``, copied into one contiguous tensor on the cache's device (``out``)."""
+        self._copy_alone_off_the_stepping_thread()
         return ops.pack_kv(self.kv_cache, block_ids, out)
 
     def unpack_kv(self, block_ids: list[int], packed: torch.Tensor) -> None:
@@ -167,7 +168,16 @@ class ModelRunner:
             raise ValueError(
                 f"packed must be {want} {self.kv_cache.dtype}, got {tuple(packed.shape)} {packed.dtype}"
             )
+        self._copy_alone_off_the_stepping_thread()
         ops.unpack_kv(self.kv_cache, packed.to(self.device).contiguous(), block_ids)
+
+    def _copy_alone_off_the_stepping_thread(self) -> None:
+        """Pages are packed and unpacked on transport threads while the engine thread steps.
+        Such a thread copies on itself alone: an OpenMP team of its own would leave the
+        process with more OpenMP threads than CPUs, and every barrier of the step would then
+        sleep in the kernel (``cpu_tuning.on_passing_thread``)."""
+        if self.config.device == "cpu" and self._stepping_thread != threading.get_ident():
+            cpu_tuning.single_intra_op_thread()
 
     # -- inputs ------------------------------------------------------------------------
     def prepare_batch(

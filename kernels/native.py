@@ -233,6 +233,12 @@ def bind_threads(cpus: list[int]) -> list[int]:
     return list(torch.ops.splitserve.bind_threads(cpus))
 
 
+def single_intra_op_thread() -> None:
+    """The calling thread runs torch's parallel ops alone, starting no OpenMP team; other
+    threads keep their counts (``torch.set_num_threads`` would change the process's)."""
+    torch.ops.splitserve.single_intra_op_thread()
+
+
 def thread_cpus() -> list[int]:
     """Per intra-op thread, the one CPU it is pinned to, or -2 where it may run on several."""
     return list(torch.ops.splitserve.thread_cpus())

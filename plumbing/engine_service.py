@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
+from engine import cpu_tuning
 from engine.engine import Engine
 from engine.engine_thread import EngineStopped, EngineThread
 from engine.outputs import EngineLoad, RequestOutput
@@ -206,7 +207,8 @@ async def serve_worker(
     shared secret, ``plumbing/servers.py``); ``--health-port`` serves probes."""
     install_loop_exception_handler()
     started = time.monotonic()
-    engine = Engine(config.engine)
+    # Built on a passing thread, so that only the engine thread keeps an OpenMP team.
+    engine = cpu_tuning.on_passing_thread(lambda: Engine(config.engine))
     load_s = time.monotonic() - started  # model load and engine set-up: the cold start's main part
     adopt_library_loggers()  # transformers attached its own stderr handler on import
     worker = make_worker(config, engine)

@@ -23,6 +23,7 @@ TORCH_LIBRARY(splitserve, m) {
     return splitserve::bind_threads_cpu(std::vector<int64_t>(cpus.begin(), cpus.end()));
   });
   m.def("thread_cpus() -> int[]", &splitserve::thread_cpus_cpu);
+  m.def("single_intra_op_thread() -> ()", &splitserve::single_intra_op_thread_cpu);
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {

@@ -4,6 +4,7 @@
 // process holds the other core; every parallel region then waits at its barrier for a
 // thread that cannot run, and a 2-thread engine on shared cores ran several times slower
 // than a 1-thread one. Pinned, each thread keeps a fair share of its own core.
+#include <omp.h>
 #include <sched.h>
 
 #include <vector>
@@ -33,6 +34,13 @@ std::vector<int64_t> bind_threads_cpu(const std::vector<int64_t>& cpus) {
     }
   });
   return bound;
+}
+
+void single_intra_op_thread_cpu() {
+  // torch sets each thread's OpenMP count to its process-wide count on the thread's first
+  // parallel op (or first get_num_threads); do that first, so it does not undo ours.
+  at::get_num_threads();
+  omp_set_num_threads(1);
 }
 
 std::vector<int64_t> thread_cpus_cpu() {

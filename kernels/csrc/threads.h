@@ -10,6 +10,10 @@ namespace splitserve {
 // thread, the CPU it was pinned to (-1 where the kernel refused).
 std::vector<int64_t> bind_threads_cpu(const std::vector<int64_t>& cpus);
 
+// The calling thread runs torch's parallel ops on itself alone: it never starts an OpenMP
+// team. Only this thread's count changes (torch.set_num_threads would change every thread's).
+void single_intra_op_thread_cpu();
+
 // Per intra-op thread: the one CPU it is pinned to, or -2 where it may run on several.
 std::vector<int64_t> thread_cpus_cpu();
 

@@ -83,3 +83,82 @@ def test_one_thread_or_bind_off_pins_nothing(ckpt_dir: Callable[..., Path], rest
         seen = _step_in_a_thread(engine)
         assert engine.runner.thread_cpus is None
         assert seen["own"] == sorted(os.sched_getaffinity(0))
+
+
+def _num_os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _settled_os_threads(want: int) -> int:
+    """The process's thread count once it reaches ``want`` (exiting threads take a moment to
+    leave /proc), or whatever it is after a bounded wait."""
+    for _ in range(200):
+        if _num_os_threads() == want:
+            break
+        threading.Event().wait(0.01)
+    return _num_os_threads()
+
+
+def test_a_passing_thread_returns_raises_and_its_team_ends_with_it(restore_threads) -> None:
+    big = torch.ones(1 << 22)
+    before = _num_os_threads()
+    seen: dict = {}
+
+    def load() -> float:
+        torch.set_num_threads(2)
+        total = float((big * 2).sum())  # a parallel op: this thread starts a 2-thread team
+        seen["inside"] = _num_os_threads()
+        seen["thread"] = threading.current_thread().name
+        return total
+
+    assert cpu_tuning.on_passing_thread(load, name="loader") == 2.0 * (1 << 22)
+    assert seen == {"inside": before + 2, "thread": "loader"}  # itself and its team's other thread
+    assert _settled_os_threads(before) == before
+    with pytest.raises(ValueError, match="bad model"):
+        cpu_tuning.on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad model")))
+
+
+def _native() -> None:
+    from kernels.native import native_kernels
+
+    if not native_kernels().available:
+        pytest.skip("needs the native kernels")
+
+
+def test_a_thread_alone_starts_no_team_and_leaves_the_others(restore_threads) -> None:
+    _native()
+    torch.set_num_threads(2)
+    big = torch.ones(1 << 22)
+    seen: dict = {}
+
+    def alone() -> None:
+        before = _num_os_threads()
+        assert cpu_tuning.single_intra_op_thread()
+        float((big * 2).sum())
+        seen.update(threads=torch.get_num_threads(), started=_num_os_threads() - before)
+
+    worker = threading.Thread(target=alone)
+    worker.start()
+    worker.join()
+    assert seen == {"threads": 1, "started": 0}
+    assert torch.get_num_threads() == 2  # this thread, and the process's count, are untouched
+
+
+def test_kv_pages_copied_off_the_stepping_thread_run_on_that_thread_alone(
+        ckpt_dir: Callable[..., Path], restore_threads) -> None:
+    _native()
+    engine = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, num_threads=2))
+    _step_in_a_thread(engine)  # that thread steps: it owns the engine's team
+    runner = engine.runner
+    seen: dict = {}
+
+    def transport() -> None:  # a KV channel's sender or receiver thread
+        packed = runner.pack_kv([1, 2])
+        runner.unpack_kv([3, 4], packed)
+        seen["threads"] = torch.get_num_threads()
+
+    worker = threading.Thread(target=transport)
+    worker.start()
+    worker.join()
+    assert seen == {"threads": 1}
+    assert torch.equal(runner.pack_kv([3, 4]), runner.pack_kv([1, 2]))

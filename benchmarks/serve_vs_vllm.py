@@ -7,7 +7,12 @@ One run, one config after the other, each in fresh processes: ``vllm bench serve
 dataset, 256 prompt / 128 output tokens, greedy, EOS ignored) against
 
 * ``colocated``: our HTTP front + gateway + one decode worker on 2 threads (``--num-prefill 0``);
-* ``disagg``: our HTTP front + gateway + 1 prefill + 1 decode worker, 1 thread each;
+* ``disagg``: our HTTP front + gateway + 1 prefill + 1 decode worker, 1 thread each, the
+  gateway's defaults: prompts go to the prefill worker unless its queue is backed up
+  (``--local-prefill-spill-tokens``), when the decode worker computes them (the counters
+  say how many);
+* ``disagg-forced`` (not in the default list): the same with ``--local-prefill-max-tokens 0``,
+  every prompt on the prefill worker;
 * ``vllm``: ``vllm serve`` on the same weights (the default GGUF dequantised to a float32
   Hugging Face checkpoint, ``export_hf``), ``VLLM_CPU_OMP_THREADS_BIND=0-1``;
 
@@ -61,7 +66,8 @@ def export_hf(gguf: Path, out: Path) -> Path:
 
 def scrape(port: int) -> dict[str, float]:
     """A Prometheus endpoint's samples, summed over label sets by metric name (and by
-    ``name:failed`` over those labelled ``outcome="failed"``)."""
+    ``name:failed`` over those labelled ``outcome="failed"``), and each sample by its line's
+    name with its labels."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -69,6 +75,8 @@ def scrape(port: int) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             key = name.split("{", 1)[0]
             values[key] = values.get(key, 0.0) + float(value)
+            if name != key:
+                values[name] = float(value)
             if 'outcome="failed"' in name:  # e.g. splitserve_kv_transfers_total:failed
                 values[f"{key}:failed"] = values.get(f"{key}:failed", 0.0) + float(value)
     return values
@@ -113,13 +121,13 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
     """One of our configs behind the HTTP front: both loads, and the counters they moved."""
     from splitserve.cluster import Cluster
 
-    disagg = label == "disagg"
+    disagg = label.startswith("disagg")
     base = free_port()  # metrics: gateway base, workers base + 1 …
     while any(not _port_free(base + i) for i in range(1, 3)):
         base = free_port()
     cluster = Cluster(str(model), num_prefill=1 if disagg else 0, num_decode=1, threads=1 if disagg else 2,
                       metrics_port=base, http_port=0, log_dir=str(out_dir / f"logs-{label}"),
-                      gateway_flags=["--local-prefill-max-tokens", "0" if disagg else "32"])
+                      gateway_flags=["--local-prefill-max-tokens", "0"] if label == "disagg-forced" else [])
     with cluster:
         http = f"http://{cluster.addresses['http']}"
         wait_http(f"{http}/v1/models")
@@ -148,8 +156,18 @@ def _counter_deltas(before: dict, after: dict) -> dict[str, float]:
              "failed_legs": ("gateway", "splitserve_leg_failures_total"),
              "retries": ("gateway", "splitserve_request_retries_total"),
              "admission_refused": ("gateway", "splitserve_admission_refused_total"),
-             "admission_waits": ("gateway", "splitserve_admission_wait_seconds_count")}
-    return {key: after[svc].get(metric, 0.0) - before[svc].get(metric, 0.0) for key, (svc, metric) in names.items()}
+             "admission_waits": ("gateway", "splitserve_admission_wait_seconds_count"),
+             "remote_prefills": ("gateway", 'splitserve_routing_decisions_total{leg="prefill"}'),
+             "spilled_prefills": ("gateway", 'splitserve_routing_local_prefills_total{reason="spill"}')}
+
+    def value(samples: dict[str, float], metric: str) -> float:  # name{a="x"}: the samples with a="x", summed
+        if "{" not in metric:
+            return samples.get(metric, 0.0)
+        name, labels = metric[:-1].split("{", 1)
+        return sum(v for k, v in samples.items()
+                   if k.startswith(name + "{") and all(pair in k for pair in labels.split(",")))
+
+    return {key: value(after[svc], metric) - value(before[svc], metric) for key, (svc, metric) in names.items()}
 
 
 def vllm_serve(vllm_python: Path, hf: Path, port: int) -> tuple[list[str], dict[str, str]]:
@@ -219,19 +237,20 @@ def _step_child(model: str, threads: int) -> dict:
 def summary(results: list[dict], steps: dict[int, dict]) -> list[str]:
     """The table rows (markdown) of a finished run."""
     lines = ["| config | tok/s at c | TTFT P50 / P99 (ms) | ITL P50 at c (ms) | ITL P50 at c=1 (ms) | "
-             "in-process step (ms) | leases expired / failed legs | load |",
-             "|---|---|---|---|---|---|---|---|"]
+             "in-process step (ms) | leases expired / failed legs | prompts spilled / sent to prefill | load |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         loaded, single = res["runs"]
-        threads = 1 if res["config"] == "disagg" else 2
+        threads = 1 if res["config"].startswith("disagg") else 2
         step = steps.get(threads, {}).get("step_ms")
         counters = res.get("counters")
         failures = "" if not counters else f"{counters['leases_expired']:.0f} / {counters['failed_legs']:.0f}"
         step_text = "" if step is None else f"{step:.1f} ({threads} thr)"
+        split = "" if not counters else f"{counters['spilled_prefills']:.0f} / {counters['remote_prefills']:.0f}"
         lines.append(
             f"| {res['config']} | {loaded['output_throughput']:.1f} | {loaded['median_ttft_ms']:.0f} / "
             f"{loaded['p99_ttft_ms']:.0f} | {loaded['median_itl_ms']:.1f} | {single['median_itl_ms']:.1f} | "
-            f"{step_text} | {failures} | "
+            f"{step_text} | {failures} | {split} | "
             f"{loaded['load_before']:.1f}-{loaded['load_after']:.1f} |")
     return lines
 

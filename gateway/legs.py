@@ -103,7 +103,12 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
         raise NoWorker("no live decode worker")
     decode = route.worker
     prompt = req.attempt_prompt
-    local = router.prefill_locally(req, route, local_prefill_max_tokens)
+    local = router.prefill_locally(req, route, local_prefill_max_tokens,
+                                   admission.passing_tokens if admission is not None else 0)
+    # A local prompt counts in the decode worker's queue (routing.queued_prefill_tokens)
+    # until its first token: routing's spill rule compares it with the prefill pool's.
+    local_tokens = len(prompt) - route.num_hit_tokens if local else 0
+    decode.num_routed_prefill_tokens += local_tokens
     ticket: Ticket | None = None
     if not local and admission is not None:
         ticket = await admission.enter(len(prompt), req.time_remaining())
@@ -126,9 +131,12 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
                 ticket.close()  # its tokens now count as routed to the prefill worker
         on_finished = (lambda t: router.observe(LEG_LOCAL, route, t.num_cached_prompt_tokens)) if local else None
         async for chunk in _decode_stream(req, legs, on_finished):
+            decode.num_routed_prefill_tokens -= local_tokens
+            local_tokens = 0
             yield chunk
     finally:
         decode.num_routed -= 1
+        decode.num_routed_prefill_tokens -= local_tokens
         if ticket is not None:
             ticket.close()
         call.cancel()

@@ -10,8 +10,16 @@ index (``gateway/prefix_index.py``, fed by the workers' KV events) predicts it::
     either leg:   loads further apart than the imbalance bound ──▶ the least-loaded worker
     then:         the decode worker prefills locally when its uncached rest is shorter than
                   local_prefill_max_tokens, or it holds ≥ local_prefill_min_cached_fraction
-                  of the prompt (nothing is shipped, only the rest is computed); never with
+                  of the prompt (nothing is shipped, only the rest is computed), or the
+                  prefill pool is backed up (spill, below); never with
                   local_prefill_max_tokens 0 (disaggregation forced) while a prefill worker lives
+
+Spill (conditional disaggregation, as Dynamo's disaggregated router does it): while every
+live prefill worker has at least ``local_prefill_spill_tokens`` prompt tokens queued, a
+decode worker whose own queue, this prompt's uncached part included, is no longer than the
+shortest of theirs computes the prompt itself. Under a burst the prefill pool is the
+bottleneck and the decode workers' spare steps go unused; spilling starts the prompt where
+it starts sooner, and a pool that keeps up is never spilled from.
 
 With weight 1 the prefill cost is the number of prompt tokens the worker computes before this
 request's first token (its queue, then the part of this prompt it does not hold): the
@@ -44,6 +52,8 @@ REASON_PREFIX = "prefix"  # the chosen worker holds part of the prompt
 REASON_LOAD = "load"  # load alone decided (policy load, or nobody holds any of it)
 REASON_IMBALANCE = "imbalance"  # the loads were too far apart: the guard picked by load
 LEG_PREFILL, LEG_LOCAL = "prefill", "local"  # who computed the prompt (observe)
+# Why a decode worker computes a prompt itself (prefill_locally).
+LOCAL_NO_PREFILL_WORKER, LOCAL_SHORT, LOCAL_CACHED, LOCAL_SPILL = "no_prefill_worker", "short", "cached", "spill"
 
 
 class Routable(Protocol):
@@ -131,20 +141,36 @@ class Router:
             self._metrics.decisions.labels(leg=leg, reason=pick.reason).inc()
         return pick
 
-    def prefill_locally(self, req: Routable, decode: Pick, local_prefill_max_tokens: int) -> bool:
+    def prefill_locally(self, req: Routable, decode: Pick, local_prefill_max_tokens: int,
+                        pending_prefill_tokens: int = 0) -> bool:
         """Whether the decode worker computes the prompt itself: no prefill worker is left,
         or its uncached rest is shorter than ``local_prefill_max_tokens``, or (prefix routing)
-        it holds most of the prompt. ``local_prefill_max_tokens`` 0 forces disaggregation:
-        every prompt goes to a prefill worker while one is alive."""
-        if not self._candidates(common_pb2.WORKER_ROLE_PREFILL, req):
-            return True
+        it holds most of the prompt, or the prefill pool is backed up (spill, in the module's
+        docstring). ``local_prefill_max_tokens`` 0 forces disaggregation: every prompt goes to
+        a prefill worker while one is alive. ``pending_prefill_tokens``: tokens bound for the
+        pool but not yet charged to a worker (admission tickets), spread over its workers: a
+        burst routed in one turn of the event loop sees its own earlier prompts."""
+        prefill = self._candidates(common_pb2.WORKER_ROLE_PREFILL, req)
+        if not prefill:
+            return self._local(LOCAL_NO_PREFILL_WORKER)
         if local_prefill_max_tokens == 0:
             return False
         num_tokens = len(req.attempt_prompt)
         cached = decode.num_hit_tokens
         if num_tokens - cached < local_prefill_max_tokens:
-            return True
-        return cached > 0 and cached >= self.config.local_prefill_min_cached_fraction * num_tokens
+            return self._local(LOCAL_SHORT)
+        if cached > 0 and cached >= self.config.local_prefill_min_cached_fraction * num_tokens:
+            return self._local(LOCAL_CACHED)
+        spill = self.config.local_prefill_spill_tokens
+        shortest = min(queued_prefill_tokens(w) for w in prefill) + pending_prefill_tokens / len(prefill)
+        if spill and shortest >= spill and queued_prefill_tokens(decode.worker) + num_tokens - cached <= shortest:
+            return self._local(LOCAL_SPILL)
+        return False
+
+    def _local(self, reason: str) -> bool:
+        if self._metrics is not None:
+            self._metrics.local_prefills.labels(reason=reason).inc()
+        return True
 
     def observe(self, leg: str, pick: Pick, num_cached_tokens: int) -> None:
         """Count the hit the worker reported (``num_cached_tokens``) against the prediction."""
@@ -159,5 +185,6 @@ class Router:
 
 
 def queued_prefill_tokens(worker: WorkerEntry) -> int:
-    """Prompt tokens ahead of a new request on a prefill worker: reported + routed since."""
+    """Prompt tokens ahead of a new request on a worker: reported + routed since (prefill
+    legs on a prefill worker, local prefills on a decode worker)."""
     return worker.load.num_queued_prefill_tokens + worker.num_routed_prefill_tokens

@@ -67,6 +67,7 @@ class RoutingMetrics:
     hit_blocks: Counter
     mispredicted: Counter
     decisions: Counter
+    local_prefills: Counter
 
     @classmethod
     def create(cls, r: CollectorRegistry) -> RoutingMetrics:
@@ -82,6 +83,9 @@ class RoutingMetrics:
             decisions=Counter("splitserve_routing_decisions",
                               "Legs routed, by what decided (prefix: a cache hit counted; load; imbalance: "
                               "the guard fell back to load)", ["leg", "reason"], registry=r),
+            local_prefills=Counter("splitserve_routing_local_prefills",
+                                   "Prompts the decode worker computed itself, by why (gateway/routing.py)",
+                                   ["reason"], registry=r),
         )
 
 

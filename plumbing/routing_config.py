@@ -33,6 +33,11 @@ class RoutingConfig:
     # A decode worker predicted to hold at least this share of a prompt prefills it itself
     # (only the uncached rest is computed, nothing is shipped); 1 turns this off.
     local_prefill_min_cached_fraction: float = 0.5
+    # Conditional disaggregation: while every live prefill worker has at least this many
+    # prompt tokens queued (reported + routed), a decode worker whose own queue, this
+    # prompt's uncached part included, is no longer than the shortest of theirs prefills the
+    # prompt itself; 0 turns this off.
+    local_prefill_spill_tokens: int = 1024
     # What the gateway asks of the workers' KV events (RegisterWorkerResponse).
     kv_events_max_per_beat: int = 4096
     kv_events_interval_ms: int = 50
@@ -48,6 +53,8 @@ class RoutingConfig:
         if not 0 < self.local_prefill_min_cached_fraction <= 1:
             raise ValueError("local_prefill_min_cached_fraction must be in (0, 1], "
                              f"got {self.local_prefill_min_cached_fraction}")
+        if self.local_prefill_spill_tokens < 0:
+            raise ValueError(f"local_prefill_spill_tokens must be >= 0, got {self.local_prefill_spill_tokens}")
         if not 1 <= self.kv_events_max_per_beat <= 65536:
             raise ValueError(f"kv_events_max_per_beat must be in [1, 65536], got {self.kv_events_max_per_beat}")
         if self.kv_events_interval_ms < 1:
@@ -72,6 +79,9 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
              help="decode workers' KV pressures further apart than this: route by load alone")
     add_flag(p, "--local-prefill-min-cached-fraction", type=float, default=d.local_prefill_min_cached_fraction,
              help="prefix routing: a decode worker holding this share of the prompt prefills it itself (1: never)")
+    add_flag(p, "--local-prefill-spill-tokens", type=int, default=d.local_prefill_spill_tokens,
+             help="every prefill worker has this many prompt tokens queued: a decode worker with a shorter "
+                  "queue prefills the prompt itself (0: never)")
     add_flag(p, "--kv-events-max-per-beat", type=int, default=d.kv_events_max_per_beat,
              help="most prefix-cache changes a worker sends per heartbeat")
     add_flag(p, "--kv-events-interval-ms", type=int, default=d.kv_events_interval_ms,
@@ -85,5 +95,6 @@ def routing_config(args: argparse.Namespace) -> RoutingConfig:
         prefill_imbalance_tokens=args.routing_prefill_imbalance_tokens,
         decode_imbalance=args.routing_decode_imbalance,
         local_prefill_min_cached_fraction=args.local_prefill_min_cached_fraction,
+        local_prefill_spill_tokens=args.local_prefill_spill_tokens,
         kv_events_max_per_beat=args.kv_events_max_per_beat, kv_events_interval_ms=args.kv_events_interval_ms,
     )

@@ -104,13 +104,15 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillWorkerServicer):
 
 async def _run(decodes: list[ScriptedDecode], prefill_of: Callable[[RemoteDecode], ScriptedPrefill],
                on_chunk: Callable[[ScriptedPrefill, list[gateway_pb2.GenerateResponse]], None],
-               num_tokens: int = 4) -> tuple[list[gateway_pb2.GenerateResponse], grpc.StatusCode | None]:
+               num_tokens: int = 4, local_prefill_max_tokens: int = 0, prefill_queued_tokens: int = 0,
+               registry: Registry | None = None) -> tuple[list[gateway_pb2.GenerateResponse], grpc.StatusCode | None]:
     """A gateway with ``decodes`` (tried in order) and one scripted prefill worker for the
-    first of them; ``on_chunk`` sees each chunk as the client gets it."""
+    first of them, reporting ``prefill_queued_tokens``; ``on_chunk`` sees each chunk as the
+    client gets it."""
     assert isinstance(decodes[0], RemoteDecode)
     prefill = prefill_of(decodes[0])
-    config = GatewayConfig(server=ServerConfig(), model=MODEL, local_prefill_max_tokens=0)
-    registry = Registry("target", 1000, 3)
+    config = GatewayConfig(server=ServerConfig(), model=MODEL, local_prefill_max_tokens=local_prefill_max_tokens)
+    registry = registry or Registry("target", 1000, 3)
     servers = [rpc.make_server() for _ in range(len(decodes) + 2)]
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(
         config, registry, TOKENIZER, model_limits(config, TOKENIZER), GatewayMetrics.create(), "target"), servers[0])
@@ -122,7 +124,8 @@ async def _run(decodes: list[ScriptedDecode], prefill_of: Callable[[RemoteDecode
         await server.start()
     await registry.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
         role=common_pb2.WORKER_ROLE_PREFILL, address=f"127.0.0.1:{ports[1]}", model="target", incarnation=ports[1],
-        load=common_pb2.WorkerLoad(kv_blocks_total=100, kv_blocks_free=100)), None)
+        load=common_pb2.WorkerLoad(kv_blocks_total=100, kv_blocks_free=100,
+                                   num_queued_prefill_tokens=prefill_queued_tokens)), None)
     for i, port in enumerate(ports[2:]):  # each a little busier than the one before
         await registry.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
             role=common_pb2.WORKER_ROLE_DECODE, address=f"127.0.0.1:{port}", model="target", incarnation=port,
@@ -224,3 +227,19 @@ def test_a_short_request_waits_for_the_prefill_answer_before_its_final_chunk(num
     chunks, code = asyncio.run(_run([decode], ScriptedPrefill, _answer_after_decode_finished(), num_tokens))
     assert code is None and tokens(chunks) == SCRIPT[:num_tokens]
     assert chunks[-1].timings.prefill_us == 4321
+
+
+@pytest.mark.parametrize("prefill_queued_tokens, mode", [
+    (1023, decode_pb2.PREFILL_MODE_REMOTE),  # below local_prefill_spill_tokens (1024): the pool keeps up
+    (1024, decode_pb2.PREFILL_MODE_LOCAL),  # backed up: the decode worker's empty queue is shorter
+])
+def test_a_backed_up_prefill_pool_spills_the_prompt_to_the_decode_worker(prefill_queued_tokens: int,
+                                                                       mode: int) -> None:
+    decode, registry = RemoteDecode(), Registry("target", 1000, 3)
+    chunks, code = asyncio.run(_run([decode], ScriptedPrefill, _answer_after_decode_finished(),
+                                    local_prefill_max_tokens=1, prefill_queued_tokens=prefill_queued_tokens,
+                                    registry=registry))
+    assert code is None and tokens(chunks) == SCRIPT[:4]
+    assert [r.prefill_mode for r in decode.requests] == [mode]
+    decode_entry = next(w for w in registry.workers.values() if w.role == common_pb2.WORKER_ROLE_DECODE)
+    assert decode_entry.num_routed_prefill_tokens == 0  # a local prompt leaves the queue at its first token

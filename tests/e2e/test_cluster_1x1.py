@@ -45,7 +45,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     for attempt in range(3):  # a port free when probed can be taken before the service binds it
         METRICS_PORTS.update({"gateway": free_port(), "decode-0": free_port()})
         c = Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(tmp_path_factory.mktemp("logs-1x1")),
-                    gateway_flags=["--local-prefill-max-tokens", "32", "--metrics-port", str(METRICS_PORTS["gateway"])],
+                    # Spill off: these tests say which prompts go remote by their length alone.
+                    gateway_flags=["--local-prefill-max-tokens", "32", "--local-prefill-spill-tokens", "0",
+                                   "--metrics-port", str(METRICS_PORTS["gateway"])],
                     decode_flags=["--metrics-port", str(METRICS_PORTS["decode-0"])])
         try:
             c.start()

@@ -34,7 +34,7 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-faults")
     with Cluster(MODEL, num_prefill=2, num_decode=1, log_dir=str(logs),
-                 gateway_flags=["--lease-ms", "1000", "--local-prefill-max-tokens", "16",
+                 gateway_flags=["--lease-ms", "1000", "--local-prefill-max-tokens", "16", "--local-prefill-spill-tokens", "0",
                                 "--reservation-wait-ms", "300", "--max-in-flight", "3"],
                  prefill_flags=["--fault-transfer-stall-s", "2.0", "--kv-channel-timeout-s", "5"],
                  decode_flags=["--kv-channel-timeout-s", "5", "--num-kv-blocks", "48",

@@ -70,7 +70,8 @@ def bundle(ca: Issued, tmp_path_factory: pytest.TempPathFactory) -> Bundle:
 def cluster(bundle: Bundle, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-secure")
     with Cluster(MODEL, tls=bundle, api_keys=[KEY], log_dir=str(logs), log_level="debug",
-                 gateway_flags=["--local-prefill-max-tokens", "32", "--metrics-port", str(METRICS_PORT)]) as c:
+                 gateway_flags=["--local-prefill-max-tokens", "32", "--local-prefill-spill-tokens", "0",
+                                "--metrics-port", str(METRICS_PORT)]) as c:
         yield c
 
 

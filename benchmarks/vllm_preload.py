@@ -19,10 +19,9 @@ TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/li
 
 def vllm_preload(vllm_python: Path) -> list[str]:
     """The libraries to preload into vLLM's processes: tcmalloc, then the venv's libiomp5."""
-    found = [next((p for p in TCMALLOC if Path(p).is_file()), None)]
-    venv = Path(vllm_python).absolute().parent.parent  # not resolve(): the venv's python is a symlink
-    found.append(next((str(p) for p in (venv / "lib" / "libiomp5.so",) if p.is_file()), None))
-    return [p for p in found if p]
+    iomp = Path(vllm_python).absolute().parent.parent / "lib" / "libiomp5.so"  # not resolve(): a symlink
+    tcmalloc = next((p for p in TCMALLOC if Path(p).is_file()), None)
+    return [p for p in (tcmalloc, str(iomp) if iomp.is_file() else None) if p]
 
 
 def with_vllm_preload(env: dict[str, str], vllm_python: Path) -> dict[str, str]:

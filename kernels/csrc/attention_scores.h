@@ -4,9 +4,9 @@
 // * transposed: the chunk's keys are transposed once into kt [head_dim, kChunk] and each
 //   row is head_dim broadcast-FMAs over contiguous vectors. The transpose is paid once per
 //   chunk for all rows, so this serves tiles with many rows (prefill) on any CPU.
-// * direct (AVX-512 only): each key row is multiplied with q along head_dim, giving one
-//   vector of partial sums per key, and a shuffle tree sums the 16 vectors at once. No
-//   transpose, so it serves decode (a GQA group's few rows per chunk).
+// * direct (AVX-512 and AVX2): each key row is multiplied with q along head_dim, giving one
+//   vector of partial sums per key, and a shuffle tree sums 16 (AVX2: 8) such vectors at
+//   once. No transpose, so it serves decode (a GQA group's few rows per chunk).
 #pragma once
 
 #include <cstdint>
@@ -109,6 +109,48 @@ inline void scores_direct(const float* q, const float* k, int64_t slot_stride, i
     partial[t] = acc;
   }
   _mm512_storeu_ps(s, sum_each_of_16(partial));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr bool kHasDirectScores = true;
+
+// Lane i of the result is the sum of the 8 lanes of v[i].
+inline __m256 sum_each_of_8(const __m256* v) {
+  // hadd pairs lanes within each 128-bit half: b0 holds v[0..3]'s sums of lanes 0-3 in its
+  // low half and of lanes 4-7 in its high half, b1 the same for v[4..7].
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// As the AVX-512 version, eight keys at a time: q is taken four vectors at a time, so its
+// part and the eight keys' partial sums fit the 16 vector registers.
+template <int kD>
+inline void scores_direct(const float* q, const float* k, int64_t slot_stride, int n, float* s) {
+  static_assert(kD > 0 && kD % 16 == 0, "the direct path needs a head_dim of whole vectors");
+  constexpr int kN = kD / 8;
+  constexpr int kQPart = 4;
+  for (int t0 = 0; t0 < kChunk; t0 += 8) {
+    if (t0 >= n) {
+      _mm256_storeu_ps(s + t0, _mm256_setzero_ps());
+      continue;
+    }
+    __m256 partial[8];
+    for (int t = 0; t < 8; ++t) partial[t] = _mm256_setzero_ps();
+    for (int j0 = 0; j0 < kN; j0 += kQPart) {
+      __m256 qv[kQPart];
+      for (int j = 0; j < kQPart && j0 + j < kN; ++j) qv[j] = _mm256_loadu_ps(q + 8 * (j0 + j));
+      for (int t = 0; t < 8; ++t) {
+        if (t0 + t < n) {
+          const float* row = k + (t0 + t) * slot_stride + 8 * j0;
+          for (int j = 0; j < kQPart && j0 + j < kN; ++j) {
+            partial[t] = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(row + 8 * j), partial[t]);
+          }
+        }
+      }
+    }
+    _mm256_storeu_ps(s + t0, sum_each_of_8(partial));
+  }
 }
 #else
 constexpr bool kHasDirectScores = false;

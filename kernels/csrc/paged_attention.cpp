@@ -11,7 +11,7 @@
 //
 // Rows go through each chunk in blocks of kRowBlock (scores) and kAccRows (values) whose
 // FMA chains interleave and share every K/V vector loaded; a decode item (one token, a GQA
-// group of rows) scores its few rows straight from the K rows on AVX-512 instead.
+// group of rows) scores its few rows straight from the K rows instead (AVX-512 and AVX2).
 // Softmax is online and in float32 whatever the cache dtype. Items run on the intra-op
 // threads, largest first, taken from a shared counter; tiles whose keys were split over
 // several items are merged by a combine pass. Vector code is ATen's at::vec::Vectorized,

@@ -47,6 +47,7 @@ from gateway.registry import Registry
 from gateway.workers import WorkerEntry
 from gateway.request import GatewayRequest
 from gateway.routing import LEG_LOCAL, LEG_PREFILL
+from plumbing.channels import ChannelClosed
 from plumbing.rpc import INCARNATION_KEY
 from splitserve_api.v1 import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
 
@@ -80,6 +81,13 @@ class LegFailed(Exception):
             code, details = grpc.StatusCode.UNAVAILABLE, f"a worker's internal deadline passed: {details}"
         return cls(worker, code, details, _incarnation(exc))
 
+    @classmethod
+    def closed_channel(cls, worker: WorkerEntry, exc: Exception) -> LegFailed:
+        """A call on a channel the registry already closed (``ChannelClosed``, or grpc's
+        ``UsageError``): the worker was dropped while the request waited (at the prefill
+        gate) with nothing routed to it yet. A lost worker."""
+        return cls(worker, grpc.StatusCode.UNAVAILABLE, f"its channel is closed: {exc}")
+
 
 def _incarnation(exc: grpc.aio.AioRpcError) -> int | None:
     for key, value in exc.trailing_metadata() or ():
@@ -108,16 +116,23 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
     ticket: Ticket | None = None
     if not local and admission is not None:
         ticket = await admission.enter(len(prompt), req.time_remaining())
-    call = decode.stub.Decode(  # type: ignore[attr-defined]
-        decode_pb2.DecodeRequest(
-            request_id=req.request_id, prompt_token_ids=prompt, sampling=req.validated.sampling,
-            stopping=req.attempt_stopping,
-            prefill_mode=decode_pb2.PREFILL_MODE_LOCAL if local else decode_pb2.PREFILL_MODE_REMOTE,
-            reservation_wait_ms=reservation_wait_ms, lease_ms=lease_ms,
-            num_prior_output_tokens=req.num_tokens, constraint=req.validated.constraint,
-        ),
-        metadata=req.metadata, timeout=req.time_remaining(),
-    )
+    try:
+        call = decode.stub.Decode(  # type: ignore[attr-defined]
+            decode_pb2.DecodeRequest(
+                request_id=req.request_id, prompt_token_ids=prompt, sampling=req.validated.sampling,
+                stopping=req.attempt_stopping,
+                prefill_mode=decode_pb2.PREFILL_MODE_LOCAL if local else decode_pb2.PREFILL_MODE_REMOTE,
+                reservation_wait_ms=reservation_wait_ms, lease_ms=lease_ms,
+                num_prior_output_tokens=req.num_tokens, constraint=req.validated.constraint,
+            ),
+            metadata=req.metadata, timeout=req.time_remaining(),
+        )
+    except BaseException as exc:
+        if ticket is not None:
+            ticket.close()  # the pool's room goes back, or the gate stays short of it for good
+        if isinstance(exc, (ChannelClosed, grpc.aio.UsageError)):
+            raise LegFailed.closed_channel(decode, exc) from None
+        raise
     decode.num_routed += 1
     # A local prompt counts in the decode worker's queue (routing.queued_prefill_tokens)
     # until its first token: routing's spill rule compares it with the prefill pool's. No
@@ -215,6 +230,8 @@ class Legs:
             result = leg.task.result()
         except grpc.aio.AioRpcError as exc:
             raise LegFailed.of(leg.worker, exc, self.req) from None
+        except grpc.aio.UsageError as exc:
+            raise LegFailed.closed_channel(leg.worker, exc) from None
         except asyncio.CancelledError:
             raise LegFailed(leg.worker, grpc.StatusCode.CANCELLED, "prefill call cancelled") from None
         leg.timings = result.timings
@@ -250,7 +267,12 @@ async def _start_prefill(req: GatewayRequest, prompt: list[int], registry: Regis
     num_uncached = len(prompt) - route.num_hit_tokens  # what it is expected to compute
     prefill.num_routed_prefill_tokens += num_uncached
     r = reserved.reserved
-    task = asyncio.ensure_future(prefill.stub.Prefill(  # type: ignore[attr-defined]
+    try:
+        stub = prefill.stub
+    except ChannelClosed as exc:
+        prefill.num_routed_prefill_tokens -= num_uncached
+        raise LegFailed.closed_channel(prefill, exc) from None
+    task = asyncio.ensure_future(stub.Prefill(  # type: ignore[attr-defined]
         prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=prompt,
             sampling=req.validated.sampling, stopping=req.attempt_stopping,
@@ -318,6 +340,8 @@ async def _read(call: grpc.aio.UnaryStreamCall, worker: WorkerEntry,
         msg = await call.read()
     except grpc.aio.AioRpcError as exc:
         raise LegFailed.of(worker, exc, req) from None
+    except grpc.aio.UsageError as exc:
+        raise LegFailed.closed_channel(worker, exc) from None
     return None if msg is grpc.aio.EOF else msg
 
 

@@ -12,7 +12,7 @@ scripted prefill answers (or fails) when the test opens its gate.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -105,17 +105,21 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillWorkerServicer):
 async def _run(decodes: list[ScriptedDecode], prefill_of: Callable[[RemoteDecode], ScriptedPrefill],
                on_chunk: Callable[[ScriptedPrefill, list[gateway_pb2.GenerateResponse]], None],
                num_tokens: int = 4, local_prefill_max_tokens: int = 0, prefill_queued_tokens: int = 0,
-               registry: Registry | None = None) -> tuple[list[gateway_pb2.GenerateResponse], grpc.StatusCode | None]:
+               registry: Registry | None = None,
+               before: Callable[[Registry, GatewayService, list[str]], Awaitable[None]] | None = None,
+               ) -> tuple[list[gateway_pb2.GenerateResponse], grpc.StatusCode | None]:
     """A gateway with ``decodes`` (tried in order) and one scripted prefill worker for the
     first of them, reporting ``prefill_queued_tokens``; ``on_chunk`` sees each chunk as the
-    client gets it."""
+    client gets it; ``before(registry, service, decode addresses)`` runs once every worker
+    registered, before the request."""
     assert isinstance(decodes[0], RemoteDecode)
     prefill = prefill_of(decodes[0])
     config = GatewayConfig(server=ServerConfig(), model=MODEL, local_prefill_max_tokens=local_prefill_max_tokens)
     registry = registry or Registry("target", 1000, 3)
     servers = [rpc.make_server() for _ in range(len(decodes) + 2)]
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(
-        config, registry, TOKENIZER, model_limits(config, TOKENIZER), GatewayMetrics.create(), "target"), servers[0])
+    service = GatewayService(config, registry, TOKENIZER, model_limits(config, TOKENIZER), GatewayMetrics.create(),
+                             "target")
+    gateway_pb2_grpc.add_GatewayServicer_to_server(service, servers[0])
     prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, servers[1])
     for server, worker in zip(servers[2:], decodes):
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(worker, server)
@@ -130,6 +134,8 @@ async def _run(decodes: list[ScriptedDecode], prefill_of: Callable[[RemoteDecode
         await registry.RegisterWorker(gateway_pb2.RegisterWorkerRequest(
             role=common_pb2.WORKER_ROLE_DECODE, address=f"127.0.0.1:{port}", model="target", incarnation=port,
             load=common_pb2.WorkerLoad(kv_blocks_total=100, kv_blocks_free=100 - i)), None)
+    if before is not None:
+        await before(registry, service, [f"127.0.0.1:{port}" for port in ports[2:]])
     chunks: list[gateway_pb2.GenerateResponse] = []
     code = None
     request = make_request(PROMPT, num_tokens)
@@ -204,6 +210,45 @@ def test_a_prefill_failing_before_the_first_token_is_retried_without_it() -> Non
     assert chunks[-1].timings.migrations == 0  # a retry, not a migration
     retry = (first.requests + survivor.requests)[-1]
     assert retry.prefill_mode == decode_pb2.PREFILL_MODE_LOCAL and retry.num_prior_output_tokens == 0
+
+
+def test_a_decode_worker_whose_channel_closed_during_admission_is_a_lost_leg_and_its_room_goes_back() -> None:
+    # A decode worker dropped while a request waits at the prefill gate has nothing routed to
+    # it yet, so the registry closes its channel at once; the request, admitted, then calls
+    # Decode on a closed channel (grpc raises UsageError there, before any RPC).
+    first, survivor = RemoteDecode(), RemoteDecode()
+    gateway: list[GatewayService] = []
+
+    def prefill_for_survivor(_: RemoteDecode) -> ScriptedPrefill:
+        prefill = ScriptedPrefill(survivor)
+        prefill.gate.set()
+        return prefill
+
+    async def close_first(registry: Registry, service: GatewayService, addresses: list[str]) -> None:
+        gateway.append(service)
+        await next(w for w in registry.workers.values() if w.address == addresses[0]).channel.close()
+
+    chunks, code = asyncio.run(_run([first, survivor], prefill_for_survivor, lambda p, c: None, before=close_first))
+    assert code is None and tokens(chunks) == SCRIPT[:4]
+    assert first.requests == [] and len(survivor.requests) == 1  # retried on the survivor
+    assert chunks[-1].timings.migrations == 0
+    assert gateway[0].admission.passing_tokens == 0  # the first attempt's ticket was returned
+
+
+def test_a_prefill_worker_whose_channel_closed_during_admission_is_a_lost_leg_retried_locally() -> None:
+    first, survivor = RemoteDecode(), ScriptedDecode()
+    gateway: list[GatewayService] = []
+
+    async def close_prefill(registry: Registry, service: GatewayService, addresses: list[str]) -> None:
+        gateway.append(service)
+        prefill = next(w for w in registry.workers.values() if w.role == common_pb2.WORKER_ROLE_PREFILL)
+        await prefill.channel.close()
+
+    chunks, code = asyncio.run(_run([first, survivor], ScriptedPrefill, lambda p, c: None, before=close_prefill))
+    assert code is None and tokens(chunks) == SCRIPT[:4]
+    retry = (first.requests + survivor.requests)[-1]
+    assert retry.prefill_mode == decode_pb2.PREFILL_MODE_LOCAL and retry.num_prior_output_tokens == 0
+    assert gateway[0].admission.passing_tokens == 0
 
 
 def test_a_prefill_failing_after_the_first_token_migrates_with_it_counted() -> None:

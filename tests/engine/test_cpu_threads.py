@@ -147,8 +147,20 @@ def test_a_thread_alone_starts_no_team_and_leaves_the_others(restore_threads) ->
 def test_kv_pages_copied_off_the_stepping_thread_run_on_that_thread_alone(
         ckpt_dir: Callable[..., Path], restore_threads) -> None:
     _native()
+    from engine import SamplingParams
+
     engine = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, num_threads=2))
-    _step_in_a_thread(engine)  # that thread steps: it owns the engine's team
+    stepped, copied = threading.Event(), threading.Event()
+
+    def engine_thread() -> None:  # steps (so it owns the engine's team), then lives on as a service's
+        engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2))
+        stepped.set()
+        copied.wait(timeout=120)
+
+    # Alive while the transport thread runs: an ended thread's id is soon another thread's.
+    stepper = threading.Thread(target=engine_thread)
+    stepper.start()
+    assert stepped.wait(timeout=120)
     runner = engine.runner
     seen: dict = {}
 
@@ -160,5 +172,7 @@ def test_kv_pages_copied_off_the_stepping_thread_run_on_that_thread_alone(
     worker = threading.Thread(target=transport)
     worker.start()
     worker.join()
+    copied.set()
+    stepper.join()
     assert seen == {"threads": 1}
     assert torch.equal(runner.pack_kv([3, 4]), runner.pack_kv([1, 2]))

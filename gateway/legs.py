@@ -127,12 +127,10 @@ async def attempt(req: GatewayRequest, registry: Registry, local_prefill_max_tok
             ),
             metadata=req.metadata, timeout=req.time_remaining(),
         )
-    except BaseException as exc:
+    except (ChannelClosed, grpc.aio.UsageError) as exc:
         if ticket is not None:
             ticket.close()  # the pool's room goes back, or the gate stays short of it for good
-        if isinstance(exc, (ChannelClosed, grpc.aio.UsageError)):
-            raise LegFailed.closed_channel(decode, exc) from None
-        raise
+        raise LegFailed.closed_channel(decode, exc) from None
     decode.num_routed += 1
     # A local prompt counts in the decode worker's queue (routing.queued_prefill_tokens)
     # until its first token: routing's spill rule compares it with the prefill pool's. No
@@ -268,23 +266,23 @@ async def _start_prefill(req: GatewayRequest, prompt: list[int], registry: Regis
     prefill.num_routed_prefill_tokens += num_uncached
     r = reserved.reserved
     try:
-        stub = prefill.stub
-    except ChannelClosed as exc:
+        call = prefill.stub.Prefill(  # type: ignore[attr-defined]
+            prefill_pb2.PrefillRequest(
+                request_id=req.request_id, prompt_token_ids=prompt,
+                sampling=req.validated.sampling, stopping=req.attempt_stopping,
+                target=prefill_pb2.DecodeTarget(
+                    worker_id=decode.worker_id, address=decode.address, transfer_id=r.transfer_id,
+                    num_blocks=r.num_blocks, incarnation=r.incarnation, transfer_secret=r.transfer_secret,
+                    num_cached_blocks=r.num_cached_blocks,
+                ),
+                num_prior_output_tokens=req.num_tokens, constraint=req.validated.constraint,
+            ),
+            metadata=req.metadata, timeout=req.time_remaining(),
+        )
+    except (ChannelClosed, grpc.aio.UsageError) as exc:
         prefill.num_routed_prefill_tokens -= num_uncached
         raise LegFailed.closed_channel(prefill, exc) from None
-    task = asyncio.ensure_future(stub.Prefill(  # type: ignore[attr-defined]
-        prefill_pb2.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=prompt,
-            sampling=req.validated.sampling, stopping=req.attempt_stopping,
-            target=prefill_pb2.DecodeTarget(
-                worker_id=decode.worker_id, address=decode.address, transfer_id=r.transfer_id,
-                num_blocks=r.num_blocks, incarnation=r.incarnation, transfer_secret=r.transfer_secret,
-                num_cached_blocks=r.num_cached_blocks,
-            ),
-            num_prior_output_tokens=req.num_tokens, constraint=req.validated.constraint,
-        ),
-        metadata=req.metadata, timeout=req.time_remaining(),
-    ))
+    task = asyncio.ensure_future(call)
     released = False
 
     def release() -> None:

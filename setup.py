@@ -33,6 +33,7 @@ NATIVE_SOURCES = [
     "kernels/csrc/kv_int8.cpp",
     "kernels/csrc/paged_attention.cpp",
     "kernels/csrc/paged_attention_args.cpp",
+    "kernels/csrc/panel_gemm.cpp",
     "kernels/csrc/quant_matmul.cpp",
     "kernels/csrc/write_kv.cpp",
     "kernels/csrc/register.cpp",

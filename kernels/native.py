@@ -5,9 +5,10 @@
 :func:`native_kernels` loads the best one this CPU runs, as ATen reports it
 (``torch.backends.cpu.get_cpu_capability()``), which registers the operators
 ``torch.ops.splitserve.paged_attention`` (float caches and the int8 one), ``write_kv``,
-``write_kv_int8``, ``gguf_linear`` (kernels/quant_matmul.py), ``dense_gemv``
-(engine/models/linear.py), ``argmax_rows`` (greedy tokens) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
-``rotary_``, ``silu_mul``); their fake implementations are registered here so ``torch.compile`` can trace through them.
+``write_kv_int8``, ``gguf_linear`` (kernels/quant_matmul.py), ``dense_gemv``,
+``pack_panels`` and ``panel_linear`` (engine/models/linear.py), ``argmax_rows`` (greedy tokens) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
+``rotary_``, ``silu_mul``); their fake implementations are registered here so ``torch.compile`` can trace through them
+(``pack_panels`` has none: it runs once per layer, at its first call, never inside a trace).
 
 ``SPLITSERVE_CPU_ISA`` (read at the first call) forces a choice: ``avx512`` or ``avx2`` loads
 that library or fails with the reason (one the CPU cannot run is refused: it would fault),
@@ -191,6 +192,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("splitserve::dense_gemv")
     def _dense_gemv_fake(x, weight, bias):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("splitserve::panel_linear")
+    def _panel_linear_fake(x, panels, out_features, bias):
+        return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("splitserve::write_kv_int8")
     def _write_kv_int8_fake(key, value, k_cache, v_cache, slot_mapping):

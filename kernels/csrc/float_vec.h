@@ -1,6 +1,7 @@
 // Float vectors of the CPU capability a library is compiled for (setup.py's variants):
 // __m512 (16 lanes) under AVX-512, __m256 (8 lanes) under AVX2, a plain 8-float struct
-// elsewhere; the few operations the linear kernels (dense_gemv.cpp, quant_matmul.cpp) need.
+// elsewhere; the few operations the linear kernels (dense_gemv.cpp, panel_gemm.cpp,
+// quant_matmul.cpp) need.
 // vhalves: kLanes float16 values as floats; vsum_each: lane i = the sum of v[i]'s lanes.
 // kMaxRowTile: how many activation rows a kernel keeps accumulators for per weight row
 // (AVX-512 has 32 vector registers, AVX2 16).
@@ -24,6 +25,8 @@ inline VF vset(float a) { return _mm512_set1_ps(a); }
 inline VF vload(const float* p) { return _mm512_loadu_ps(p); }
 inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, VF a) { _mm512_storeu_ps(p, a); }
 inline float vsum(VF a) { return _mm512_reduce_add_ps(a); }
 inline VF vhalves(const uint16_t* h) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))); }
 // Lane i of the result: the sum of the lanes of v[i] (kLanes vectors).
@@ -51,6 +54,8 @@ inline VF vset(float a) { return _mm256_set1_ps(a); }
 inline VF vload(const float* p) { return _mm256_loadu_ps(p); }
 inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, VF a) { _mm256_storeu_ps(p, a); }
 inline float vsum(VF a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -90,6 +95,11 @@ inline VF vmul(VF a, VF b) {
   for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
   return a;
 }
+inline VF vadd(VF a, VF b) {
+  for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline void vstore(float* p, VF a) { std::memcpy(p, a.v, sizeof(a.v)); }
 inline float vsum(VF a) {
   float s = 0.0f;
   for (float x : a.v) s += x;

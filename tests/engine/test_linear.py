@@ -1,4 +1,4 @@
-"""engine.models.linear: prepacked oneDNN GEMMs and the native GEMV against F.linear."""
+"""engine.models.linear: the native panel GEMM, prepacked oneDNN GEMMs and the native GEMV against F.linear."""
 
 from __future__ import annotations
 
@@ -25,18 +25,23 @@ def test_float32_matches_f_linear(rows, with_bias, monkeypatch) -> None:
     bias = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 80, generator=gen)
     layer = Linear(weight, bias)
-    assert layer.packable and layer.packed is None  # reordered at the first packed call
-    calls: dict[str, int] = {"packed": 0, "gemv": 0}
-    real_packed, real_gemv = torch.ops.mkldnn._linear_pointwise, getattr(torch.ops.splitserve, "dense_gemv", None)
-    monkeypatch.setattr(linear.torch.ops.mkldnn, "_linear_pointwise",
-                        lambda *a: calls.__setitem__("packed", 1) or real_packed(*a), raising=False)
-    if real_gemv is not None:
-        monkeypatch.setattr(linear.torch.ops.splitserve, "dense_gemv",
-                            lambda *a: calls.__setitem__("gemv", 1) or real_gemv(*a), raising=False)
+    panels = linear.panel_gemm()
+    assert layer.use_panels == panels and layer.packable == (not panels)
+    assert layer.packed is None and layer.panels is None  # packed at the first call that needs it
+    calls: dict[str, int] = {"packed": 0, "gemv": 0, "panels": 0}
+    for namespace, name, key in ((torch.ops.mkldnn, "_linear_pointwise", "packed"),
+                                 (torch.ops.splitserve, "dense_gemv", "gemv"),
+                                 (torch.ops.splitserve, "panel_linear", "panels")):
+        real = getattr(namespace, name, None)
+        if real is not None:
+            monkeypatch.setattr(namespace, name, lambda *a, real=real, key=key: calls.__setitem__(key, 1) or real(*a),
+                                raising=False)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
-    packed = rows >= linear.min_packed_rows()
-    assert calls == {"packed": int(packed), "gemv": int(not packed and native_kernels().available)}
-    assert (layer.packed is not None) == packed and layer.weight is weight  # float32 keeps both
+    packed = not panels and rows >= linear.min_packed_rows()
+    gemv = not panels and not packed and native_kernels().available
+    assert calls == {"packed": int(packed), "gemv": int(gemv), "panels": int(panels)}
+    assert (layer.packed is not None) == packed and (layer.panels is not None) == panels
+    assert layer.weight is weight  # float32 keeps both
 
 
 @needs_native

@@ -100,13 +100,22 @@ inline void scores_direct(const float* q, const float* k, int64_t slot_stride, i
   constexpr int kN = kD / 16;
   __m512 qv[kN], partial[16];
   for (int j = 0; j < kN; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
-  for (int t = 0; t < 16; ++t) {
-    __m512 acc = _mm512_setzero_ps();
-    if (t < n) {
+  if (n == 16) {  // a whole chunk: no test per key, so the compiler unrolls it
+    for (int t = 0; t < 16; ++t) {
       const float* row = k + t * slot_stride;
+      __m512 acc = _mm512_setzero_ps();
       for (int j = 0; j < kN; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(row + 16 * j), acc);
+      partial[t] = acc;
     }
-    partial[t] = acc;
+  } else {
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      if (t < n) {
+        const float* row = k + t * slot_stride;
+        for (int j = 0; j < kN; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(row + 16 * j), acc);
+      }
+      partial[t] = acc;
+    }
   }
   _mm512_storeu_ps(s, sum_each_of_16(partial));
 }
@@ -125,11 +134,34 @@ inline __m256 sum_each_of_8(const __m256* v) {
 
 // As the AVX-512 version, eight keys at a time: q is taken four vectors at a time, so its
 // part and the eight keys' partial sums fit the 16 vector registers.
+// s[0:8] for 8 whole key rows: all trip counts are constants, so this unrolls without a test.
+template <int kD>
+inline void scores_direct_8(const float* q, const float* k, int64_t slot_stride, float* s) {
+  constexpr int kN = kD / 8;
+  constexpr int kQPart = 4;
+  __m256 partial[8];
+  for (int t = 0; t < 8; ++t) partial[t] = _mm256_setzero_ps();
+  for (int j0 = 0; j0 < kN; j0 += kQPart) {
+    __m256 qv[kQPart];
+    for (int j = 0; j < kQPart; ++j) qv[j] = _mm256_loadu_ps(q + 8 * (j0 + j));
+    for (int t = 0; t < 8; ++t) {
+      const float* row = k + t * slot_stride + 8 * j0;
+      for (int j = 0; j < kQPart; ++j) partial[t] = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(row + 8 * j), partial[t]);
+    }
+  }
+  _mm256_storeu_ps(s, sum_each_of_8(partial));
+}
+
 template <int kD>
 inline void scores_direct(const float* q, const float* k, int64_t slot_stride, int n, float* s) {
   static_assert(kD > 0 && kD % 16 == 0, "the direct path needs a head_dim of whole vectors");
   constexpr int kN = kD / 8;
   constexpr int kQPart = 4;
+  if (n == kChunk) {
+    scores_direct_8<kD>(q, k, slot_stride, s);
+    scores_direct_8<kD>(q, k + 8 * slot_stride, slot_stride, s + 8);
+    return;
+  }
   for (int t0 = 0; t0 < kChunk; t0 += 8) {
     if (t0 >= n) {
       _mm256_storeu_ps(s + t0, _mm256_setzero_ps());

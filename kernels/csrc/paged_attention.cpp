@@ -11,8 +11,9 @@
 //
 // Rows go through each chunk in blocks of kRowBlock (scores) and kAccRows (values) whose
 // FMA chains interleave and share every K/V vector loaded; a decode item (one token, a GQA
-// group of rows) scores its few rows straight from the K rows instead (AVX-512 and AVX2).
-// Softmax is online and in float32 whatever the cache dtype. Items run on the intra-op
+// group of rows) scores its few rows straight from the K rows instead (AVX-512 and AVX2),
+// all its keys before one exact softmax and then the V rows (attend_decode). Softmax is
+// online elsewhere, and in float32 whatever the cache dtype. Items run on the intra-op
 // threads, largest first, taken from a shared counter; tiles whose keys were split over
 // several items are merged by a combine pass. Vector code is ATen's at::vec::Vectorized,
 // compiled once per CPU capability (setup.py), so one source serves AVX-512, AVX2 and NEON.
@@ -58,6 +59,7 @@ struct Call {  // one call's tensors as raw pointers and element strides
 
 struct Scratch {  // per thread, reused across calls
   std::vector<float> q, acc, kt, vrows, krows, m, l;
+  std::vector<float> scores;  // attend_decode: every score of an item's rows
   float s[4 * kChunk];  // scores of a block of rows (kRowBlock <= 4)
 
   void reserve(int64_t max_rows, int64_t head_dim) {
@@ -158,11 +160,11 @@ inline void scores_rows(const float* q, const float* kt, float* s) {
 }
 
 // acc_i[0:kD] = acc_i * alpha_i + sum_{t < nv} p_i[t] * v[t * v_stride + 0:kD] for RB rows
-// (p_i = p + i * kChunk, 0 past each row's own keys; acc_i = acc + i * kD): each V vector
+// (p_i = p + i * p_stride, 0 past each row's own keys; acc_i = acc + i * kD): each V vector
 // is loaded once for all RB rows.
 template <int RB, int kD>
-inline void accumulate_rows(const float* p, int nv, const float* v, int64_t v_stride, const float* alpha,
-                            float* acc) {
+inline void accumulate_rows(const float* p, int64_t p_stride, int nv, const float* v, int64_t v_stride,
+                            const float* alpha, float* acc) {
   constexpr int kN = kD / kVec;
   Vec a[RB][kN];
   for (int i = 0; i < RB; ++i) {
@@ -174,7 +176,7 @@ inline void accumulate_rows(const float* p, int nv, const float* v, int64_t v_st
     Vec vv[kN];
     for (int j = 0; j < kN; ++j) vv[j] = Vec::loadu(row + j * kVec);
     for (int i = 0; i < RB; ++i) {
-      const Vec pt(p[i * kChunk + t]);
+      const Vec pt(p[i * p_stride + t]);
       for (int j = 0; j < kN; ++j) a[i][j] = at::vec::fmadd(pt, vv[j], a[i][j]);
     }
   }
@@ -228,10 +230,10 @@ inline void prefetch_rows(const scalar_t* p, int64_t slot_stride, int n, int64_t
 // over 30 layers' caches: none 1220 us a call, 1 to 4 chunks ahead 1054-1068 us, 8 worse.
 constexpr int kPrefetchChunks = 2;
 
-// Ask for the K and V rows of the keys in [prefetched, min(until, key_end)), page by page,
-// and move `prefetched` on. The first call (prefetched = key_begin) skips the chunk about to
-// be read (`n` keys): asking for it now would not help.
-template <typename scalar_t>
+// Ask for the K and/or V rows (kK, kV) of the keys in [prefetched, min(until, key_end)), page
+// by page, and move `prefetched` on. The first call (prefetched = key_begin) skips the chunk
+// about to be read (`n` keys): asking for it now would not help.
+template <bool kK, bool kV, typename scalar_t>
 inline void prefetch_ahead(const Call<scalar_t>& c, const WorkItem& w, const int64_t* pages, int64_t until,
                            int n, int64_t& prefetched) {
   const auto& g = c.g;
@@ -242,10 +244,99 @@ inline void prefetch_ahead(const Call<scalar_t>& c, const WorkItem& w, const int
     const int64_t offset = prefetched % g.block_size;
     const int rows = static_cast<int>(std::min<int64_t>(g.block_size - offset, end - prefetched));
     const int64_t page = pages[prefetched / g.block_size];
-    prefetch_rows(c.k + page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head, g.k_slot, rows, row_bytes);
-    prefetch_rows(c.v + page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head, g.v_slot, rows, row_bytes);
+    if constexpr (kK) {
+      prefetch_rows(c.k + page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head, g.k_slot, rows, row_bytes);
+    }
+    if constexpr (kV) {
+      prefetch_rows(c.v + page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head, g.v_slot, rows, row_bytes);
+    }
     prefetched += rows;
   }
+}
+
+// Decode (one query token: its GQA group's few rows) in two passes over the item's keys, all
+// of which the token sees: every score first (K rows only), one exact softmax per row over
+// them, then the values (V rows only). Unlike the online softmax of attend_keys there is no
+// per-chunk max, rescale or exp of a running state, and no chain through a chunk's softmax
+// between its loads and the next chunk's, so many pages' loads are in flight at once.
+template <int kD>
+void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
+  static_assert(kD > 0, "the decode path needs a known head_dim");
+  const auto& g = c.g;
+  const int rows = static_cast<int>(g.group);
+  const int64_t* pages = c.block_tables + w.seq * g.bt_seq;
+  const int nkeys = w.key_end - w.key_begin;
+  // Row r's scores at r * stride; scores_direct writes whole chunks, hence the padding.
+  const int64_t stride = (nkeys + 2 * kChunk - 1) / kChunk * kChunk;
+  if (static_cast<int64_t>(sc.scores.size()) < rows * stride) sc.scores.resize(rows * stride);
+  float* scores = sc.scores.data();
+  // fn(pos, n, page, offset) for each chunk of up to kChunk keys inside one page.
+  auto for_each_chunk = [&](const auto& fn) {
+    for (int pos = w.key_begin; pos < w.key_end;) {
+      const int64_t offset = pos % g.block_size;
+      const int n = static_cast<int>(
+          std::min<int64_t>({kChunk, g.block_size - offset, static_cast<int64_t>(w.key_end - pos)}));
+      fn(pos, n, pages[pos / g.block_size], offset);
+      pos += n;
+    }
+  };
+  // A chunk's n K rows (kKeys) or V rows as float, and their stride: in place in a float cache,
+  // whose rows kPrefetchChunks ahead are asked for, or dequantized into scratch from an int8 one.
+  int64_t prefetched = w.key_begin;
+  auto chunk_rows = [&](auto keys, int pos, int n, int64_t page, int64_t offset, int64_t& stride) {
+    constexpr bool kKeys = decltype(keys)::value;
+    const int64_t slot = kKeys ? g.k_slot : g.v_slot;
+    const int64_t at = page * (kKeys ? g.k_block : g.v_block) + offset * slot +
+                       w.kv_head * (kKeys ? g.k_head : g.v_head);
+    if (c.k8 != nullptr) {
+      float* rows_f = kKeys ? sc.krows.data() : sc.vrows.data();
+      dequantize_rows((kKeys ? c.k8 : c.v8) + at, slot, n, kD, rows_f);
+      stride = kD;
+      return static_cast<const float*>(rows_f);
+    }
+    prefetch_ahead<kKeys, !kKeys>(c, w, pages, pos + static_cast<int64_t>(kPrefetchChunks) * kChunk, n, prefetched);
+    stride = slot;
+    return (kKeys ? c.k : c.v) + at;
+  };
+  for_each_chunk([&](int pos, int n, int64_t page, int64_t offset) {
+    int64_t k_slot = 0;
+    const float* kp = chunk_rows(std::true_type{}, pos, n, page, offset, k_slot);
+    for (int r = 0; r < rows; ++r) {
+      scores_direct<kD>(sc.q.data() + r * kD, kp, k_slot, n, scores + r * stride + (pos - w.key_begin));
+    }
+  });
+  for (int r = 0; r < rows; ++r) {  // p = exp(s - max) over the row's nkeys scores
+    float* s = scores + r * stride;
+    Vec vmax(kNegInf);
+    for (int t = 0; t < nkeys; t += kVec) {
+      vmax = at::vec::maximum(vmax, Vec::set(Vec(kNegInf), Vec::loadu(s + t), std::min(kVec, nkeys - t)));
+    }
+    const float max = at::vec::vec_reduce_all<float>(
+        [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vmax);
+    const Vec vm(max);
+    Vec sum(0.0f);
+    for (int t = 0; t < nkeys; t += kVec) {
+      const Vec p = Vec::set(Vec(0.0f), (Vec::loadu(s + t) - vm).exp_u20(), std::min(kVec, nkeys - t));
+      p.store(s + t);
+      sum = sum + p;
+    }
+    sc.m[r] = max;
+    sc.l[r] = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, sum);
+  }
+  float alpha[kAccRows];  // no rescaling: every p already has the row's final max
+  std::fill(alpha, alpha + kAccRows, 1.0f);
+  prefetched = w.key_begin;
+  for_each_chunk([&](int pos, int n, int64_t page, int64_t offset) {
+    int64_t v_stride = 0;
+    const float* vf = chunk_rows(std::false_type{}, pos, n, page, offset, v_stride);
+    const float* p = scores + (pos - w.key_begin);
+    for (int i = 0; i < rows; i += kAccRows) {
+      dispatch_rows<kAccRows>(std::min(kAccRows, rows - i), [&](auto r) {
+        accumulate_rows<decltype(r)::value, kD>(p + i * stride, stride, n, vf, v_stride, alpha,
+                                                sc.acc.data() + i * kD);
+      });
+    }
+  });
 }
 
 template <typename scalar_t, int kD>
@@ -257,6 +348,9 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
   // Few rows (decode): score keys straight from the cache; many: transpose each chunk once.
   constexpr bool kDirect = kHasDirectScores && std::is_same_v<scalar_t, float> && kD > 0;
   const bool direct = kDirect && rows <= kDirectMaxRows;
+  if constexpr (kDirect) {
+    if (direct && w.num_tokens == 1) return attend_decode<kD>(c, w, sc);
+  }
   int64_t prefetched = w.key_begin;  // keys below this were asked for (prefetch_ahead)
   for (int pos = w.key_begin; pos < w.key_end;) {
     const int64_t offset = pos % g.block_size;
@@ -276,7 +370,7 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
         k_slot = D;
       }
     }
-    if (c.k8 == nullptr) prefetch_ahead(c, w, pages, pos + static_cast<int64_t>(kPrefetchChunks) * kChunk, n, prefetched);
+    if (c.k8 == nullptr) prefetch_ahead<true, true>(c, w, pages, pos + static_cast<int64_t>(kPrefetchChunks) * kChunk, n, prefetched);
     if (!direct) transpose_keys(kp, k_slot, n, D, sc.kt.data());
     int64_t v_stride = D;
     const float* vf = c.k8 != nullptr ? sc.vrows.data() : value_rows(vp, g.v_slot, n, D, sc, v_stride);
@@ -315,7 +409,8 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
       if constexpr (kD > 0) {
         for (int i = 0; i < rb; i += kAccRows) {
           dispatch_rows<kAccRows>(std::min(kAccRows, rb - i), [&](auto r) {
-            accumulate_rows<decltype(r)::value, kD>(s + i * kChunk, nv_max, vf, v_stride, alpha + i, acc + i * D);
+            accumulate_rows<decltype(r)::value, kD>(s + i * kChunk, kChunk, nv_max, vf, v_stride, alpha + i,
+                                                    acc + i * D);
           });
         }
       } else {

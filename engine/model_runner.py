@@ -71,19 +71,21 @@ def make_forward_batch(
         seq_lens.append(piece.start_position + n)
         query_start.append(query_start[-1] + n)
     max_blocks = max(len(p.block_ids) for p in slices)
+    # int64 metadata: the native CPU kernels index with it as it is (int32 they would copy to
+    # int64 in every layer's call), and the Triton kernels take either.
     block_tables = torch.tensor(
-        [p.block_ids + [0] * (max_blocks - len(p.block_ids)) for p in slices], dtype=torch.int32
+        [p.block_ids + [0] * (max_blocks - len(p.block_ids)) for p in slices], dtype=torch.int64
     )
     pos = torch.tensor(positions, dtype=torch.int64)
     seq_idx = torch.tensor(seq_of_token, dtype=torch.int64)
-    slots = block_tables[seq_idx, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    slots = block_tables[seq_idx, pos // block_size] * block_size + pos % block_size
     return ForwardBatch(
         input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         positions=pos.to(device),
         slot_mapping=slots.to(device),
         block_tables=block_tables.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int64, device=device),
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
     )
 

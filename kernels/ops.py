@@ -63,9 +63,9 @@ def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32, new tokens included
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32/int64
+    seq_lens: torch.Tensor,  # [num_seqs] int32/int64, new tokens included
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a ragged batch (decode, prefill, chunked prefill) over paged KV.

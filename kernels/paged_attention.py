@@ -165,9 +165,9 @@ def paged_attention_triton(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32, new tokens included
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32/int64
+    seq_lens: torch.Tensor,  # [num_seqs] int32/int64, new tokens included
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
     """Triton version of :func:`paged_attention_ref`; no host sync, no value checks."""
@@ -181,9 +181,9 @@ def paged_attention_int8_triton(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim + 4] int8 (kernels/kv_int8.py)
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32, new tokens included
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32/int64
+    seq_lens: torch.Tensor,  # [num_seqs] int32/int64, new tokens included
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
     """Triton version of :func:`kernels.kv_int8.paged_attention_int8_ref`: each K/V tile is

@@ -34,9 +34,9 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset
-    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32, 0-padded
-    seq_lens: torch.Tensor  # [S] int32, context length incl. this step's tokens
-    query_start_loc: torch.Tensor  # [S + 1] int32
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int64, 0-padded
+    seq_lens: torch.Tensor  # [S] int64, context length incl. this step's tokens
+    query_start_loc: torch.Tensor  # [S + 1] int64
     logits_indices: torch.Tensor  # [N] int64, rows of T whose logits are wanted
 
 
@@ -162,10 +162,10 @@ class LlamaModel:
             )
         device = self.device
         pages = block_ids[: -(-seq_len // block_size)]
-        i32 = torch.int32
-        block_table = torch.tensor([pages], dtype=i32, device=device)  # [1, num_pages]
-        seq_lens = torch.tensor([seq_len], dtype=i32, device=device)
-        query_start_loc = torch.tensor([0, num_tokens], dtype=i32, device=device)
+        i64 = torch.int64  # as ForwardBatch's
+        block_table = torch.tensor([pages], dtype=i64, device=device)  # [1, num_pages]
+        seq_lens = torch.tensor([seq_len], dtype=i64, device=device)
+        query_start_loc = torch.tensor([0, num_tokens], dtype=i64, device=device)
         new_slots = torch.tensor(
             [pages[p // block_size] * block_size + p % block_size for p in range(start_position, seq_len)],
             device=device,

@@ -134,9 +134,10 @@ def test_grid_mixed_batch(paged_batch, group, head_dim, block_size) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("head_dim,block_size", [(96, 64), (80, 8), (24, 16)])
+@pytest.mark.parametrize("head_dim,block_size", [(96, 64), (80, 8), (24, 16), (64, 8)])
 def test_other_head_dims_and_block_sizes(paged_batch, head_dim, block_size) -> None:
-    # 96 has its own fast path; 80 and 24 run the generic one; block size 8 is below a chunk.
+    # 96 has its own fast path; 80 and 24 run the generic one; block size 8 is below a chunk
+    # (with head_dim 64, the two-pass decode's part-chunk scores).
     q_lens, seq_lens = mixed_lens(random.Random(head_dim), block_size)
     batch = paged_batch(q_lens, seq_lens, block_size=block_size, num_kv_heads=3,
                         queries_per_kv=3, head_dim=head_dim)

@@ -132,13 +132,12 @@ inline __m256 sum_each_of_8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
-// As the AVX-512 version, eight keys at a time: q is taken four vectors at a time, so its
-// part and the eight keys' partial sums fit the 16 vector registers.
 // s[0:8] for 8 whole key rows: all trip counts are constants, so this unrolls without a test.
 template <int kD>
 inline void scores_direct_8(const float* q, const float* k, int64_t slot_stride, float* s) {
   constexpr int kN = kD / 8;
   constexpr int kQPart = 4;
+  static_assert(kN % kQPart == 0, "whole parts of q (head_dim 32, 64, 96, 128)");
   __m256 partial[8];
   for (int t = 0; t < 8; ++t) partial[t] = _mm256_setzero_ps();
   for (int j0 = 0; j0 < kN; j0 += kQPart) {
@@ -152,6 +151,8 @@ inline void scores_direct_8(const float* q, const float* k, int64_t slot_stride,
   _mm256_storeu_ps(s, sum_each_of_8(partial));
 }
 
+// As the AVX-512 version, eight keys at a time: q is taken four vectors at a time, so its
+// part and the eight keys' partial sums fit the 16 vector registers.
 template <int kD>
 inline void scores_direct(const float* q, const float* k, int64_t slot_stride, int n, float* s) {
   static_assert(kD > 0 && kD % 16 == 0, "the direct path needs a head_dim of whole vectors");

@@ -254,6 +254,19 @@ inline void prefetch_ahead(const Call<scalar_t>& c, const WorkItem& w, const int
   }
 }
 
+// fn(pos, n, page, offset) for the item's keys [key_begin, key_end) in chunks of up to kChunk
+// keys inside one page: n keys from position pos, at slot `offset` of block `page`.
+template <typename F>
+inline void for_each_chunk(const PagedGeometry& g, const WorkItem& w, const int64_t* pages, const F& fn) {
+  for (int pos = w.key_begin; pos < w.key_end;) {
+    const int64_t offset = pos % g.block_size;
+    const int n = static_cast<int>(
+        std::min<int64_t>({kChunk, g.block_size - offset, static_cast<int64_t>(w.key_end - pos)}));
+    fn(pos, n, pages[pos / g.block_size], offset);
+    pos += n;
+  }
+}
+
 // Decode (one query token: its GQA group's few rows) in two passes over the item's keys, all
 // of which the token sees: every score first (K rows only), one exact softmax per row over
 // them, then the values (V rows only). Unlike the online softmax of attend_keys there is no
@@ -270,16 +283,6 @@ void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
   const int64_t stride = (nkeys + 2 * kChunk - 1) / kChunk * kChunk;
   if (static_cast<int64_t>(sc.scores.size()) < rows * stride) sc.scores.resize(rows * stride);
   float* scores = sc.scores.data();
-  // fn(pos, n, page, offset) for each chunk of up to kChunk keys inside one page.
-  auto for_each_chunk = [&](const auto& fn) {
-    for (int pos = w.key_begin; pos < w.key_end;) {
-      const int64_t offset = pos % g.block_size;
-      const int n = static_cast<int>(
-          std::min<int64_t>({kChunk, g.block_size - offset, static_cast<int64_t>(w.key_end - pos)}));
-      fn(pos, n, pages[pos / g.block_size], offset);
-      pos += n;
-    }
-  };
   // A chunk's n K rows (kKeys) or V rows as float, and their stride: in place in a float cache,
   // whose rows kPrefetchChunks ahead are asked for, or dequantized into scratch from an int8 one.
   int64_t prefetched = w.key_begin;
@@ -298,7 +301,7 @@ void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
     stride = slot;
     return (kKeys ? c.k : c.v) + at;
   };
-  for_each_chunk([&](int pos, int n, int64_t page, int64_t offset) {
+  for_each_chunk(g, w, pages, [&](int pos, int n, int64_t page, int64_t offset) {
     int64_t k_slot = 0;
     const float* kp = chunk_rows(std::true_type{}, pos, n, page, offset, k_slot);
     for (int r = 0; r < rows; ++r) {
@@ -326,7 +329,7 @@ void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
   float alpha[kAccRows];  // no rescaling: every p already has the row's final max
   std::fill(alpha, alpha + kAccRows, 1.0f);
   prefetched = w.key_begin;
-  for_each_chunk([&](int pos, int n, int64_t page, int64_t offset) {
+  for_each_chunk(g, w, pages, [&](int pos, int n, int64_t page, int64_t offset) {
     int64_t v_stride = 0;
     const float* vf = chunk_rows(std::false_type{}, pos, n, page, offset, v_stride);
     const float* p = scores + (pos - w.key_begin);
@@ -352,11 +355,7 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
     if (direct && w.num_tokens == 1) return attend_decode<kD>(c, w, sc);
   }
   int64_t prefetched = w.key_begin;  // keys below this were asked for (prefetch_ahead)
-  for (int pos = w.key_begin; pos < w.key_end;) {
-    const int64_t offset = pos % g.block_size;
-    const int n = static_cast<int>(
-        std::min<int64_t>({kChunk, g.block_size - offset, static_cast<int64_t>(w.key_end - pos)}));
-    const int64_t page = pages[pos / g.block_size];
+  for_each_chunk(g, w, pages, [&](int pos, int n, int64_t page, int64_t offset) {
     const int64_t k_at = page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head;
     const int64_t v_at = page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head;
     const scalar_t* kp = c.k8 != nullptr ? nullptr : c.k + k_at;
@@ -417,8 +416,7 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
         for (int i = 0; i < rb; ++i) row_accumulate(s + i * kChunk, nv_max, vf, v_stride, alpha[i], acc + i * D, D);
       }
     }
-    pos += n;
-  }
+  });
 }
 
 struct Partials {  // softmax state of split items: [num_partials, max_rows(, head_dim)]

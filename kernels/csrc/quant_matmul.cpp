@@ -158,6 +158,11 @@ void tile(const Problem& p, int64_t n0, int64_t m0) {
 // with it, so there a line per group 4 groups ahead stays.
 constexpr int64_t kPrefetchBytes = 2048;
 
+// Every cache line of the `bytes` at `at` is asked for kPrefetchBytes ahead.
+inline void prefetch_lines_ahead(const uint8_t* at, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(at + kPrefetchBytes + off, 0, 0);
+}
+
 // One activation row (batch-1 decode), NT weight rows one after the other (a tile's rows are
 // one contiguous run of bytes, which the hardware prefetcher follows), the blocks taken kLanes
 // at a time: each block's products stay a vector, the kLanes vectors are summed lane-wise into
@@ -184,7 +189,7 @@ void row_tile(const Problem& p, int64_t n0) {
     VF acc = vzero();
     for (int64_t b0 = 0; b0 < grouped; b0 += kLanes) {
 #if defined(CPU_CAPABILITY_AVX2)
-      for (int64_t off = 0; off < kLanes * bb; off += 64) __builtin_prefetch(row + b0 * bb + kPrefetchBytes + off, 0, 0);
+      prefetch_lines_ahead(row + b0 * bb, kLanes * bb);
 #else
       __builtin_prefetch(row + (b0 + 4 * kLanes) * bb, 0, 0);  // the weights stream in row order
 #endif
@@ -314,7 +319,7 @@ void row_tile_x8(const X8Problem& p, int64_t n0) {
     const uint8_t* row = p.w + (n0 + a) * p.row_bytes;
     VF acc = vzero(), macc = vzero();
     for (int64_t b0 = 0; b0 < grouped; b0 += kLanes) {
-      for (int64_t off = 0; off < kLanes * bb; off += 64) __builtin_prefetch(row + b0 * bb + kPrefetchBytes + off, 0, 0);
+      prefetch_lines_ahead(row + b0 * bb, kLanes * bb);
       alignas(64) uint16_t dh[kLanes], mh[kLanes];
       for (int j = 0; j < kLanes; ++j) {
         std::memcpy(&dh[j], row + (b0 + j) * bb, 2);

@@ -11,7 +11,8 @@
 //
 // Blocking: k goes in blocks of KC (a panel block is 16 KB, staying in L1 while every row
 // block passes over it), rows in blocks of MC (x's block of MC x K floats stays in L2 while
-// the thread's panels pass over it); panels are split over the intra-op threads.
+// the thread's panels pass over it), each cut into as few blocks of at most MR rows as fit,
+// of even sizes; panels are split over the intra-op threads.
 //
 // Rounding: y[m, n] sums x[m, k] * w[n, k] over each block of KC keys in order of k (one
 // fused multiply-add at a time), adds the blocks' sums in order, then the bias. That order
@@ -126,8 +127,12 @@ void panel_rows(const Problem& p, int64_t panel, int64_t m0, int64_t m1) {
     }
   }
   const float* w = p.panels + panel * p.K * kNR;
-  for (int64_t m = m0; m < m1; m += kMR) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
+  // The rows go in as few blocks as kMR allows, of sizes that differ by at most one: a
+  // short block runs fewer FMA chains than the pipelines hold (16 rows: 6 + 5 + 5, not 6 + 6 + 4).
+  const int64_t num_blocks = (m1 - m0 + kMR - 1) / kMR;
+  const int64_t base = (m1 - m0) / num_blocks, extra = (m1 - m0) % num_blocks;
+  for (int64_t b = 0, m = m0; b < num_blocks; ++b) {
+    const int rows = static_cast<int>(base + (b < extra ? 1 : 0));
     float* y = full ? p.y + m * p.N + n0 : tile;
     const int64_t ldy = full ? p.N : kNR;
     for (int64_t k0 = 0; k0 < p.K; k0 += kKC) {
@@ -144,6 +149,7 @@ void panel_rows(const Problem& p, int64_t panel, int64_t m0, int64_t m1) {
     if (!full) {
       for (int i = 0; i < rows; ++i) std::copy(tile + i * kNR, tile + i * kNR + (p.N - n0), p.y + (m + i) * p.N + n0);
     }
+    m += rows;
   }
 }
 

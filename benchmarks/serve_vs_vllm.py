@@ -17,6 +17,8 @@ dataset, 256 prompt / 128 output tokens, greedy, EOS ignored) against
   Hugging Face checkpoint, ``export_hf``), ``VLLM_CPU_OMP_THREADS_BIND=0-1``, tcmalloc and
   Intel's OpenMP preloaded (``benchmarks/vllm_preload.py``);
 
+every server with the same KV pool, ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set: ``kv_cache_gib``);
+
 first at ``--concurrency`` (throughput, TTFT P50/P99, ITL P50), then at concurrency 1 with
 ``--itl-requests`` requests (ITL P50). For ours it also scrapes the decode worker's and the
 gateway's counters: leases expired, lease renewals, failed legs, admission waits. Then the
@@ -129,6 +131,7 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
         base = free_port()
     cluster = Cluster(str(model), num_prefill=1 if disagg else 0, num_decode=1, threads=1 if disagg else 2,
                       metrics_port=base, http_port=0, log_dir=str(out_dir / f"logs-{label}"),
+                      worker_flags=["--kv-cache-bytes", f"{kv_cache_gib()}GiB"],
                       gateway_flags=["--local-prefill-max-tokens", "0"] if label == "disagg-forced" else [])
     with cluster:
         http = f"http://{cluster.addresses['http']}"
@@ -172,11 +175,18 @@ def _counter_deltas(before: dict, after: dict) -> dict[str, float]:
     return {key: value(after[svc], metric) - value(before[svc], metric) for key, (svc, metric) in names.items()}
 
 
+def kv_cache_gib() -> str:
+    """The KV pool both servers get, in GiB: ``VLLM_CPU_KVCACHE_SPACE`` (vLLM-CPU's own
+    setting), else 2. Ours gets the same as ``--kv-cache-bytes`` (its default is smaller), so
+    neither keeps more earlier prompts for its prefix cache than the other."""
+    return os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+
+
 def vllm_serve(vllm_python: Path, hf: Path, port: int) -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` on ``hf`` at its best setting here, as a command and its environment."""
     env = with_vllm_preload(dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2",
                                  VLLM_TARGET_DEVICE="cpu",
-                                 VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")), vllm_python)
+                                 VLLM_CPU_KVCACHE_SPACE=kv_cache_gib()), vllm_python)
     cmd = [str(vllm_python), str(VLLM_CLI), "serve", str(hf), "--served-model-name", "smollm2-f32",
            "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048",
            "--seed", "0"]

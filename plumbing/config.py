@@ -10,10 +10,10 @@ import argparse
 import ipaddress
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
 from plumbing.discovery import parse_source
-from plumbing.flags import add_flag, env_name  # noqa: F401 - re-exported (the CLI, tests, http_front)
+from plumbing.flags import add_flag, byte_size, env_name  # noqa: F401 - re-exported (the CLI, tests, http_front)
 from plumbing.routing_config import (  # noqa: F401 - re-exported
     ROUTING_POLICIES,
     RoutingConfig,
@@ -250,7 +250,10 @@ def add_engine_flags(p: argparse.ArgumentParser, default_model: str) -> None:
              help="KV cache element type: auto (= --dtype) or int8 (per token and head scales)")
     add_flag(p, "--device", default="cpu", help="cpu or cuda[:n]")
     add_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
-    add_flag(p, "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    add_flag(p, "--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins over --kv-cache-bytes)")
+    add_flag(p, "--kv-cache-bytes", type=byte_size, default=None,
+             help=f"KV pool size as memory, e.g. 2GiB (default {DEFAULT_KV_CACHE_BYTES >> 20}MiB; vLLM-CPU's "
+             "VLLM_CPU_KVCACHE_SPACE)")
     add_flag(p, "--max-num-seqs", type=int, default=64, help="running batch cap")
     add_flag(p, "--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     add_flag(p, "--max-model-len", type=int, default=None, help="cap on prompt + output")
@@ -272,7 +275,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         )
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_threads=args.threads, speculative=speculative, quantization=args.quantization,
         quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,

@@ -43,6 +43,27 @@ def _env_value(flag: str, deprecated: Sequence[str]) -> str | None:
     return value
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def byte_size(text: str) -> int:
+    """A flag's memory size: bytes, or a number with a unit (``2GiB``, ``512MiB``, ``1.5GB``;
+    KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB of 1000, any case). An argparse ``type``."""
+    value = text.strip().replace("_", "")
+    digits = len(value) - len(value.lstrip("0123456789."))
+    number, unit = value[:digits], value[digits:].strip().lower()
+    try:
+        size = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: bytes, or a number with KiB, MiB, GiB, TiB, kB, MB, GB or TB"
+        ) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
+    return int(size)
+
+
 def add_flag(parser: argparse.ArgumentParser, flag: str, deprecated: Sequence[str] = (), **kwargs: Any) -> None:
     """``parser.add_argument`` whose default comes from ``SPLITSERVE_*`` when set;
     ``deprecated``: old names of the flag, still accepted (flag and env var) with a warning."""

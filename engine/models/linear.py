@@ -109,15 +109,19 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         rows = x.shape[0]
         if self.use_panels and x.dim() == 2 and x.dtype == torch.float32:
-            if self.panels is None:
-                self.panels = torch.ops.splitserve.pack_panels(self.weight)
             x = x if x.stride(-1) == 1 else x.contiguous()
-            return torch.ops.splitserve.panel_linear(x, self.panels, self.out_features, self.bias)
+            return torch.ops.splitserve.panel_linear(x, self.packed_panels(), self.out_features, self.bias)
         if self.packable and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
         if self.gemv and x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1:
             return torch.ops.splitserve.dense_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def packed_panels(self) -> torch.Tensor:
+        """The weight in the panel GEMM's layout (``use_panels``), copied at the first call."""
+        if self.panels is None:
+            self.panels = torch.ops.splitserve.pack_panels(self.weight)
+        return self.panels
 
     def _packed(self) -> torch.Tensor:
         if self.packed is None:

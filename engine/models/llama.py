@@ -8,12 +8,14 @@ its block table, so a chunk attends to pages computed in earlier steps.
 The arithmetic mirrors ``transformers`` (float32 RMSNorm, cos/sin built in float32 then
 cast, the same rotate-half RoPE; kernels/elementwise.py), so greedy outputs match
 ``generate`` token for token. On CPU the elementwise parts run as fused native ops
-(kernels/csrc/elementwise.cpp) and the residual stream is updated in place.
+(kernels/csrc/elementwise.cpp) and the residual stream is updated in place; where every op
+of a layer is native (float32 panel linears, no q/k norms, a float32 cache), the whole layer
+is one call, ``splitserve::decoder_layer`` (kernels/csrc/decoder_layer.cpp): the same ops in
+the same order, without the Python and the dispatcher between them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
 from engine.quant.linear import BlockWeight, LinearLayer, WeightQuant, as_dense, cat_rows, linear_factory, lm_head_linear
 from kernels import ops
+from kernels.native import native_kernels
 
 
 @dataclass
@@ -38,6 +41,17 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [S] int64, context length incl. this step's tokens
     query_start_loc: torch.Tensor  # [S + 1] int64
     logits_indices: torch.Tensor  # [N] int64, rows of T whose logits are wanted
+
+
+@dataclass
+class _KVWrite:
+    """Where one forward's new K/V rows go and what each token attends to (the
+    ``paged_attention`` metadata): ``ForwardBatch``'s, or ``forward_sequence``'s own."""
+
+    slot_mapping: torch.Tensor  # [T] int64, -1 skips a token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # [num_seqs]
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
 
 
 @dataclass
@@ -70,6 +84,13 @@ class LlamaModel:
         self._linear = linear_factory(quant, dense=Linear)
         self.scale = spec.head_dim**-0.5
         self._load(weights)
+        # Every op of a layer native on float32: the layer in one call (module docstring).
+        self.fused_layers = (
+            device.type == "cpu" and native_kernels().available and self.dtype == torch.float32
+            and not spec.qk_norm
+            and all(isinstance(lin, Linear) and lin.use_panels
+                    for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        )
         inv_freq, attn_scaling = rope_inv_freq(hf_config)
         self._build_rope_cache(inv_freq, attn_scaling, max_model_len)
 
@@ -128,17 +149,11 @@ class LlamaModel:
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
         """
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-            return ops.paged_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, self.scale
-            )
-
+        kv = _KVWrite(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc)
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
         sin = self.signed_sin[batch.positions].unsqueeze(1)
-        return self._logits(*self._layers(x, cos, sin, attend), batch.logits_indices)
+        return self._logits(*self._layers(x, cos, sin, kv_cache, kv), batch.logits_indices)
 
     def forward_sequence(
         self, token_ids: list[int], start_position: int, block_ids: list[int], kv_cache: torch.Tensor
@@ -171,27 +186,21 @@ class LlamaModel:
             device=device,
         )  # [t]
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            ops.write_kv(k, v, k_cache, v_cache, new_slots)
-            return ops.paged_attention(
-                q, k_cache, v_cache, block_table, seq_lens, query_start_loc, self.scale
-            )
-
+        kv = _KVWrite(new_slots, block_table, seq_lens, query_start_loc)
         x = F.embedding(torch.tensor(token_ids, device=device), self.embed)  # [t, hidden]
         cos = self.cos[start_position:seq_len].unsqueeze(1)  # [t, 1, head_dim]
         sin = self.signed_sin[start_position:seq_len].unsqueeze(1)
         last = torch.tensor([num_tokens - 1], device=device)
-        return self._logits(*self._layers(x, cos, sin, attend), last)[0]
+        return self._logits(*self._layers(x, cos, sin, kv_cache, kv), last)[0]
 
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                kv: _KVWrite) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every decoder layer: the residual stream and the last layer's MLP output, not yet
         added to it (each layer adds its predecessor's in its first norm)."""
         mlp_out = None
+        layer_fn = self._fused_layer if self.fused_layers and kv_cache.dtype == torch.float32 else self._layer
         for i, layer in enumerate(self.layers):
-            mlp_out = self._layer(i, layer, x, mlp_out, cos, sin, attend)
+            mlp_out = layer_fn(layer, x, mlp_out, cos, sin, kv_cache[i, 0], kv_cache[i, 1], kv)
         return x, mlp_out
 
     def _logits(self, x: torch.Tensor, mlp_out: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
@@ -205,18 +214,19 @@ class LlamaModel:
 
     def _layer(
         self,
-        i: int,
         layer: _Layer,
         x: torch.Tensor,  # [T, hidden], the residual stream, updated in place
         mlp_out: torch.Tensor | None,  # [T, hidden], the previous layer's MLP output (None: first)
         cos: torch.Tensor,  # [T, 1, head_dim]
         sin: torch.Tensor,  # [T, 1, head_dim], signed (see kernels.elementwise.rotary_ref)
-        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        k_cache: torch.Tensor,  # this layer's, written in place
+        v_cache: torch.Tensor,
+        kv: _KVWrite,
     ) -> torch.Tensor:
         """One decoder layer; returns its MLP output, which the next layer's (or the final)
         norm adds to ``x`` in the same pass (one parallel region and one pass over the rows
-        fewer than a separate add; the same additions). ``attend(i, q, k, v)`` stores the new
-        K/V of layer i and returns the attention output ``[T, num_heads, head_dim]``."""
+        fewer than a separate add; the same additions). The new K/V rows go into the layer's
+        cache before attention reads it."""
         spec = self.spec
         num_tokens = x.shape[0]
         if mlp_out is None:
@@ -239,7 +249,19 @@ class LlamaModel:
         # RoPE on q and k at once, in place: elementwise, so the values of rotating each apart.
         ops.rotary_(qk, cos, sin)
         q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
-        attn = attend(i, q, k, v)
+        ops.write_kv(k, v, k_cache, v_cache, kv.slot_mapping)
+        attn = ops.paged_attention(q, k_cache, v_cache, kv.block_tables, kv.seq_lens, kv.query_start_loc, self.scale)
         # The residual stream x is this forward's own tensor: updated in place.
         h = ops.add_rms_norm_(x, layer.o(attn.reshape(num_tokens, spec.q_size)), layer.post_norm, spec.rms_norm_eps)
         return layer.down(ops.silu_mul(layer.gate_up(h)))
+
+    def _fused_layer(self, layer: _Layer, x: torch.Tensor, mlp_out: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv: _KVWrite) -> torch.Tensor:
+        """``_layer`` in one native call (``fused_layers``; the same ops, the same bits)."""
+        spec = self.spec
+        return torch.ops.splitserve.decoder_layer(
+            x, mlp_out, layer.input_norm, layer.qkv.packed_panels(), layer.qkv.bias, layer.o.packed_panels(),
+            layer.post_norm, layer.gate_up.packed_panels(), layer.down.packed_panels(), cos, sin, k_cache, v_cache,
+            kv.slot_mapping, kv.block_tables, kv.seq_lens, kv.query_start_loc, spec.num_heads, spec.num_kv_heads,
+            spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, self.scale,
+        )

@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include "float_vec.h"
+#include "panel_gemm.h"
 
 namespace splitserve {
 namespace {
@@ -175,6 +176,8 @@ at::Tensor pack_panels_cpu(const at::Tensor& weight) {
   return panels;
 }
 
+}  // namespace
+
 at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                             const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -216,7 +219,6 @@ at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64
   return y;
 }
 
-}  // namespace
 }  // namespace splitserve
 
 TORCH_LIBRARY_FRAGMENT(splitserve, m) {

@@ -1,0 +1,77 @@
+// One Llama decoder layer in one operator call (CPU, float32): the native ops that
+// engine/models/llama.py's LlamaModel._layer calls one at a time, called here in the same
+// order on the same arguments, so its output, the residual stream and the KV cache are the
+// same bits. What it saves is the Python and the dispatcher between those ten calls.
+//
+// It serves the layers whose every op is native: weights in column panels (panel_gemm.cpp),
+// no q/k norms, a float32 cache (write_kv.cpp, paged_attention.cpp). The Python route serves
+// the rest (quantized weights, int8 caches, oneDNN's linears, CUDA) and is the reference the
+// tests compare this with.
+#include <cstdint>
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "elementwise.h"
+#include "paged_attention.h"
+#include "panel_gemm.h"
+
+namespace splitserve {
+namespace {
+
+at::Tensor decoder_layer_cpu(
+    at::Tensor& x,                             // [T, hidden] float32, the residual stream, updated in place
+    const std::optional<at::Tensor>& mlp_out,  // [T, hidden], the previous layer's MLP output (none: the first)
+    const at::Tensor& input_norm,              // [hidden]
+    const at::Tensor& qkv,                     // panels of [(H + 2 KV) D, hidden]
+    const std::optional<at::Tensor>& qkv_bias,  // [(H + 2 KV) D] or none
+    const at::Tensor& o,                       // panels of [hidden, H D]
+    const at::Tensor& post_norm,               // [hidden]
+    const at::Tensor& gate_up,                 // panels of [2 intermediate, hidden]
+    const at::Tensor& down,                    // panels of [hidden, intermediate]
+    const at::Tensor& cos,                     // [T, 1, D]
+    const at::Tensor& sin,                     // [T, 1, D], signed
+    at::Tensor& k_cache,                       // [num_blocks, block_size, KV, D], written in place
+    at::Tensor& v_cache,                       // [num_blocks, block_size, KV, D], written in place
+    const at::Tensor& slot_mapping,            // [T]
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+    double scale) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                    "decoder_layer: x must be a contiguous float32 [tokens, hidden], got ", x.scalar_type(), " ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(num_heads >= 1 && num_kv_heads >= 1 && head_dim >= 1 && intermediate >= 1,
+                    "decoder_layer: num_heads, num_kv_heads, head_dim and intermediate must be >= 1");
+  const int64_t T = x.size(0), hidden = x.size(1), H = num_heads, KV = num_kv_heads, D = head_dim;
+  // ops.rms_norm / ops.add_rms_norm_
+  at::Tensor h = mlp_out.has_value() ? add_rms_norm_cpu(x, *mlp_out, input_norm, eps) : rms_norm_cpu(x, input_norm, eps);
+  // layer.qkv(h), then q and k as one [T, H + KV, D] view, v after them
+  const at::Tensor qkv_out = panel_linear_cpu(h, qkv, (H + 2 * KV) * D, qkv_bias);
+  at::Tensor qk = qkv_out.narrow(1, 0, (H + KV) * D).view({T, H + KV, D});
+  const at::Tensor v = qkv_out.narrow(1, (H + KV) * D, KV * D).view({T, KV, D});
+  rotary_cpu(qk, cos, sin);
+  const at::Tensor q = qk.narrow(1, 0, H);
+  const at::Tensor k = qk.narrow(1, H, KV);
+  // attend(i, q, k, v): the new K/V into the cache, then attention over it
+  write_kv_cpu(k, v, k_cache, v_cache, slot_mapping);
+  const at::Tensor attn = paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+  // ops.add_rms_norm_(x, layer.o(attn), post_norm), then layer.down(ops.silu_mul(layer.gate_up(h)))
+  h = add_rms_norm_cpu(x, panel_linear_cpu(attn.reshape({T, H * D}), o, hidden, std::nullopt), post_norm, eps);
+  return panel_linear_cpu(silu_mul_cpu(panel_linear_cpu(h, gate_up, 2 * intermediate, std::nullopt)), down, hidden,
+                          std::nullopt);
+}
+
+}  // namespace
+}  // namespace splitserve
+
+TORCH_LIBRARY_FRAGMENT(splitserve, m) {
+  m.def(
+      "decoder_layer(Tensor(a!) x, Tensor? mlp_out, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, Tensor o, "
+      "Tensor post_norm, Tensor gate_up, Tensor down, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitserve, CPU, m) { m.impl("decoder_layer", &splitserve::decoder_layer_cpu); }

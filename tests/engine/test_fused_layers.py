@@ -1,0 +1,91 @@
+"""A decoder layer in one native call (``splitserve::decoder_layer``) against the Python route
+it replaces (``LlamaModel._layer``): the same logits and the same KV cache, bit for bit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.model_runner import SeqSlice, make_forward_batch
+from engine.models.linear import panel_gemm
+
+BLOCK = 16
+
+needs_panels = pytest.mark.skipif(not panel_gemm(), reason="fused layers need the panel GEMM (the AVX2 library)")
+
+
+def _runner(path: Path, fused: bool, **config: object) -> object:
+    runner = Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=BLOCK, **config)).runner
+    assert runner.model.fused_layers, "every op of these layers is native: the fused route applies"
+    runner.model.fused_layers = fused
+    return runner
+
+
+@needs_panels
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the qkv bias
+def test_one_call_per_layer_gives_the_same_bits(arch: str, ckpt_dir: Callable[..., Path]) -> None:
+    fused, python = _runner(ckpt_dir(arch), True), _runner(ckpt_dir(arch), False)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, fused.spec.vocab_size, (45,), generator=gen).tolist() for _ in range(3)]
+    tables = [[9, 3, 40, 17], [5, 6, 30, 31], [2, 50]]
+    done = [0, 0, 0]
+    # Prefill chunks of all three, then chunks and decodes mixed in one ragged batch.
+    for ends in ((20, 33, 7), (29, 40, 8), (30, 41, 9), (31, 42, 10)):
+        pieces = [SeqSlice(seq[d:e], d, t) for seq, d, e, t in zip(seqs, done, ends, tables)]
+        rows = [sum(e - d for d, e in zip(done[: i + 1], ends[: i + 1])) - 1 for i in range(3)]
+        batch = make_forward_batch(pieces, rows, BLOCK, torch.device("cpu"))
+        with torch.inference_mode():
+            want = python.model.forward(batch, python.kv_cache)
+            got = fused.model.forward(batch, fused.kv_cache)
+        assert torch.equal(got, want)
+        done = list(ends)
+    assert torch.equal(fused.kv_cache, python.kv_cache)
+
+
+@needs_panels
+def test_the_lean_sequence_forward_takes_it_too(ckpt_dir: Callable[..., Path]) -> None:
+    fused, python = _runner(ckpt_dir("llama"), True), _runner(ckpt_dir("llama"), False)
+    tokens = list(range(5, 45))
+    with torch.inference_mode():
+        for start, end in ((0, 30), (30, 31), (31, 35)):
+            want = python.model.forward_sequence(tokens[start:end], start, [7, 2, 11], python.kv_cache)
+            got = fused.model.forward_sequence(tokens[start:end], start, [7, 2, 11], fused.kv_cache)
+            assert torch.equal(got, want)
+    assert torch.equal(fused.kv_cache, python.kv_cache)
+
+
+@needs_panels
+def test_greedy_generation_is_the_same(ckpt_dir: Callable[..., Path]) -> None:
+    path = ckpt_dir("llama")
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 33, 64)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for fused in (True, False):
+        engine = Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=BLOCK))
+        engine.runner.model.fused_layers = fused
+        outputs.append([o.token_ids for o in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
+
+
+@needs_panels
+def test_layers_it_cannot_serve_keep_the_python_route(ckpt_dir: Callable[..., Path]) -> None:
+    # q/k norms (Qwen3) have no native op here; quantized weights run other kernels.
+    assert not Engine(EngineConfig(model=str(ckpt_dir("qwen3")), num_kv_blocks=8)).runner.model.fused_layers
+    int8 = EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, quantization="int8")
+    assert not Engine(int8).runner.model.fused_layers
+
+
+@needs_panels
+def test_an_int8_cache_runs_the_python_route(ckpt_dir: Callable[..., Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = _runner(ckpt_dir("llama"), True, kv_cache_dtype="int8")
+    calls = []
+    monkeypatch.setattr(runner.model, "_fused_layer", lambda *a: calls.append(a))
+    piece = SeqSlice(list(range(3, 20)), 0, [1, 2])
+    with torch.inference_mode():
+        runner.model.forward(make_forward_batch([piece], [16], BLOCK, torch.device("cpu")), runner.kv_cache)
+    assert calls == []

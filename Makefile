@@ -128,4 +128,4 @@ vllm-venv:
 	.venv-vllm/bin/pip install intel-openmp
 
 clean:
-	rm -rf $(VENV) build *.egg-info kernels/_native_*.so
+	rm -rf $(VENV) build *.egg-info kernels/splitserve_kernels/_native_*.so kernels/splitserve_kernels/_native_*.torch

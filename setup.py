@@ -7,9 +7,9 @@ The native kernels are a torch C++ extension, built against the torch of the bui
 environment: in an isolated build (``pip install .``, ``pip wheel .``) the one pip installs
 from ``[build-system] requires`` (torch>=2.5,<2.14), with ``--no-build-isolation`` the one
 already installed (the Makefile's way). One library is built per CPU capability from the
-same source (``kernels._native_avx512``, ``kernels._native_avx2`` on x86-64,
-``kernels._native_default`` elsewhere), each beside a ``.torch`` file naming that torch
-version; ``kernels/native.py`` loads the best one the CPU runs and refuses a library built
+same source (``splitserve_kernels._native_avx512``, ``splitserve_kernels._native_avx2`` on x86-64,
+``splitserve_kernels._native_default`` elsewhere), each beside a ``.torch`` file naming that torch
+version; ``kernels/splitserve_kernels/native.py`` loads the best one the CPU runs and refuses a library built
 against another torch minor version. ``SPLITSERVE_NATIVE_VARIANTS=avx2`` (comma-separated)
 builds only those. A build failure, or no torch at build time, is a warning, never a failed
 install: the torch references serve, and tests/kernels fail where a compiler was there.
@@ -73,7 +73,7 @@ def native_extensions() -> list:
         names = [name for name in names if name in wanted.split(",")]
     return [
         CppExtension(
-            f"kernels._native_{name}",
+            f"splitserve_kernels._native_{name}",
             NATIVE_SOURCES,
             # No FMA contraction: the elementwise ops round as their torch references do.
             extra_compile_args=["-O3", "-g0", "-DNDEBUG", "-fopenmp", "-ffp-contract=off",
@@ -109,12 +109,12 @@ class OptionalBuildExt(_build_ext_base()):
             super().build_extension(ext)
             self._record_torch_version(ext)
         except Exception as exc:
-            self.warn(f"{ext.name} not built ({exc}); kernels/native.py will try the others")
+            self.warn(f"{ext.name} not built ({exc}); kernels/splitserve_kernels/native.py will try the others")
         finally:
             self.build_temp = base
 
     def _record_torch_version(self, ext) -> None:
-        """``kernels/_native_<variant>.torch``: the torch this library was compiled against."""
+        """``splitserve_kernels/_native_<variant>.torch``: the torch this library was compiled against."""
         import torch
 
         library = Path(self.get_ext_fullpath(ext.name))

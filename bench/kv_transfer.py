@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from engine.kv_layout import KVLayout
 from plumbing.transport.gloo import GlooChannel, GlooRendezvous, connect_gloo
-from kernels.ops import pack_kv, unpack_kv
+from splitserve_kernels.ops import pack_kv, unpack_kv
 from plumbing.transport.pages import DEFAULT_CHUNK_BYTES, StagingPool, chunk_blocks_for, chunk_ranges, recv_chunks, send_chunks
 
 MIB = 1 << 20

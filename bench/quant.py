@@ -193,7 +193,7 @@ def goals(report: dict) -> list[dict]:
 
 
 def run(model: Path, args: argparse.Namespace) -> dict:
-    from kernels.native import native_kernels
+    from splitserve_kernels.native import native_kernels
 
     names = args.configs.split(",")
     report: dict = {**report_mod.header("quant", args.threads), "model": model.name, "threads": args.threads,

@@ -41,7 +41,8 @@ FIRST_ORDINARY_ID = 3  # 0 pad, 1 BOS, 2 EOS in the bundled tokenizer
 CACHE_DIR = Path(".cache")
 ENGINE_MODEL_DIR = CACHE_DIR / "bench-llama-32m"
 # Packages whose source is the fallback held-out text (the bundled model never saw it).
-SOURCE_PACKAGES = ("engine", "kernels", "gateway", "prefill_worker", "decode_worker", "plumbing", "splitserve")
+SOURCE_PACKAGES = ("engine", "splitserve_kernels", "gateway", "prefill_worker", "decode_worker", "plumbing",
+                   "splitserve")
 
 
 # -- the engine workload ------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def child_engine(spec: dict) -> dict:
 
     from bench.engine_run import EngineSettings
     from engine import Engine, EngineConfig, SamplingParams
-    from kernels.native import native_kernels
+    from splitserve_kernels.native import native_kernels
 
     model_dir, workload, prompts = prepare(spec["model"])
     settings = EngineSettings.for_workload(workload)
@@ -183,9 +183,9 @@ def child_kernel(spec: dict) -> dict:
     import torch
 
     from engine.cpu_tuning import default_num_threads
-    from kernels import ops
-    from kernels.kv_cache import new_kv_cache
-    from kernels.native import native_kernels
+    from splitserve_kernels import ops
+    from splitserve_kernels.kv_cache import new_kv_cache
+    from splitserve_kernels.native import native_kernels
 
     shape, _, _ = MODELS[spec["model"]]
     _, workload, prompts = prepare(spec["model"])

@@ -10,7 +10,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _QUANTIZATIONS = ("none", "int8", "int4")
 _QUANT_GROUP_SIZES = (32, 64, 128)
 _KV_CACHE_DTYPES = ("auto", "int8")
-KV_INT8_SCALE_BYTES = 4  # one float32 scale per (token, kv head) row (kernels/kv_int8.py)
+KV_INT8_SCALE_BYTES = 4  # one float32 scale per (token, kv head) row (kernels/splitserve_kernels/kv_int8.py)
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
@@ -32,7 +32,7 @@ class EngineConfig:
     Quantization: ``quantization`` ``"int8"`` / ``"int4"`` quantizes the weights at load
     (engine/quant/linear.py; int4 in groups of ``quant_group_size`` input features);
     ``kv_cache_dtype="int8"`` stores K/V as int8 with a float32 scale per token and head
-    (kernels/kv_int8.py); ``"auto"`` stores them in ``dtype``.
+    (kernels/splitserve_kernels/kv_int8.py); ``"auto"`` stores them in ``dtype``.
     """
 
     model: str

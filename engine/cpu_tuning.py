@@ -69,7 +69,7 @@ def single_intra_op_thread() -> bool:
     """The calling thread runs torch's parallel ops on itself alone and never starts an
     OpenMP team; the other threads keep theirs. False where the native kernels are absent
     (torch has no per-thread setting; ``torch.set_num_threads`` is the process's)."""
-    from kernels.native import native_kernels, single_intra_op_thread
+    from splitserve_kernels.native import native_kernels, single_intra_op_thread
 
     if not native_kernels().available:
         return False
@@ -103,7 +103,7 @@ def bind_intra_op_threads(num_threads: int) -> list[int] | None:
     starts later inherit that. One thread is left unpinned (no barrier to wait at), as is a
     count above the CPUs, and everything where the native kernels are not built.
     """
-    from kernels.native import bind_threads, native_kernels
+    from splitserve_kernels.native import bind_threads, native_kernels
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if num_threads < 2 or num_threads > len(cpus) or not native_kernels().available:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # torch stays unimported here: the gateway reads layouts with
 
 # Element type name -> bytes per element.
 _DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
-# An int8 cache row is head_dim int8 values, then the row's float32 scale (kernels/kv_int8.py).
+# An int8 cache row is head_dim int8 values, then the row's float32 scale (kernels/splitserve_kernels/kv_int8.py).
 INT8_SCALE_BYTES = 4
 
 
@@ -24,7 +24,7 @@ class KVLayout:
     """kv_cache is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; ``dtype``
     names a torch dtype (``getattr(torch, layout.dtype)``). With ``dtype="int8"`` the last
     dimension of the cache and of packed pages is ``row_width = head_dim + 4`` bytes: the
-    values and their scale (kernels/kv_int8.py)."""
+    values and their scale (kernels/splitserve_kernels/kv_int8.py)."""
 
     num_layers: int
     num_kv_heads: int

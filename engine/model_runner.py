@@ -23,8 +23,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
-from kernels import ops
-from kernels.kv_cache import new_kv_cache
+from splitserve_kernels import ops
+from splitserve_kernels.kv_cache import new_kv_cache
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -12,16 +12,18 @@ from pathlib import Path
 import grimp
 
 ROOT = Path(__file__).resolve().parents[1]
-# Every top-level package (a folder with an __init__.py: the product, bench, benchmarks), the
-# scripts, and the packages of the test tree that are programs too (the chaos and fuzz campaigns).
-PACKAGES = sorted({p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"} | {"tools"}
-                  | {f"tests.{p.parent.name}" for p in ROOT.glob("tests/*/__init__.py")})
+# Every package and its folder: the top-level ones (a folder with an __init__.py: the product,
+# bench, benchmarks), the kernels' package inside kernels/, the scripts, and the packages of the
+# test tree that are programs too (the chaos and fuzz campaigns).
+FOLDERS = ({p.parent.name: p.parent for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"}
+           | {p.parent.name: p.parent for p in ROOT.glob("kernels/*/__init__.py")} | {"tools": ROOT / "tools"}
+           | {f"tests.{p.parent.name}": p.parent for p in ROOT.glob("tests/*/__init__.py")})
+PACKAGES = sorted(FOLDERS)
 MAX_FUNCTION_LINES = 60
 
 
 def _sources() -> list[Path]:
-    folders = [ROOT.joinpath(*pkg.split(".")) for pkg in PACKAGES]
-    return sorted(p for folder in folders for p in folder.rglob("*.py") if "_pb2" not in p.name)
+    return sorted(p for folder in FOLDERS.values() for p in folder.rglob("*.py") if "_pb2" not in p.name)
 
 
 def _is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -71,7 +73,7 @@ def import_cycles(modules: Iterable[str], imports: Callable[[str], set[str]]) ->
 
 
 def test_the_product_packages_are_all_checked() -> None:
-    assert {"engine", "gateway", "kernels", "plumbing", "splitserve", "tools", "bench", "benchmarks",
+    assert {"engine", "gateway", "splitserve_kernels", "plumbing", "splitserve", "tools", "bench", "benchmarks",
             "tests.chaos", "tests.fuzz"} <= set(PACKAGES), PACKAGES
 
 
@@ -82,7 +84,7 @@ def test_import_cycles_are_found() -> None:
 
 def test_no_import_cycle_between_modules() -> None:
     # Imports under TYPE_CHECKING count: a reader follows them just the same.
-    packages = [p for p in PACKAGES if ROOT.joinpath(*p.split("."), "__init__.py").exists()]
+    packages = [p for p in PACKAGES if (FOLDERS[p] / "__init__.py").exists()]
     graph = grimp.build_graph(*packages, exclude_type_checking_imports=False)
     cycles = import_cycles(graph.modules, graph.find_modules_directly_imported_by)
     assert not cycles, cycles

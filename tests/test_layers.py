@@ -24,9 +24,9 @@ def test_import_linter_contracts_are_kept() -> None:
 
 
 def _copy_of_the_product(dest: Path) -> None:
-    """The packages (benchmarks/ among them) and pyproject.toml (the contracts) in ``dest``,
-    generated modules included."""
-    packages = {p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"}
+    """The packages (benchmarks/ among them, and kernels/ with the kernels' package) and
+    pyproject.toml (the contracts) in ``dest``, generated modules included."""
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"} | {"kernels"}
     for name in packages:
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
@@ -42,7 +42,7 @@ def test_an_import_up_a_layer_breaks_the_check(tmp_path: Path, module: str, impo
     path = tmp_path / module
     path.write_text(path.read_text() + f"\nimport {imported}  # up a layer, on purpose\n")
     lint = Path(sys.executable).with_name("lint-imports")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(tmp_path / "kernels")])}
     out = subprocess.run([str(lint), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 1, out.stdout[-2000:]
     importer = module.removesuffix(".py").replace("/", ".")

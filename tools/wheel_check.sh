@@ -49,7 +49,7 @@ import shutil
 import bench
 import engine
 from bench.report import figure_problems
-from kernels.native import native_kernels
+from splitserve_kernels.native import native_kernels
 
 work = Path(sys.argv[1])
 for module in (bench, engine):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from bench.gpu.device import device_for, free_memory, mean_seconds
 from bench.gpu.options import GpuCheckOptions
-from kernels.paged_attention import paged_attention_triton
+from splitserve_kernels.paged_attention import paged_attention_triton
 
 BLOCK_SIZE = 16
 

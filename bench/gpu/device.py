@@ -1,7 +1,7 @@
 """The device a step runs on, timing on it, and the ``build`` step.
 
 The ``build`` step builds nothing, on purpose: the C++ extension (kernels/csrc) is the CPU
-path's kernels only. On CUDA every op runs its Triton kernel (``kernels.ops.use_triton``),
+path's kernels only. On CUDA every op runs its Triton kernel (``splitserve_kernels.ops.use_triton``),
 compiled by Triton on first use, so nothing has to be built against the device's torch.
 The step records what the run sees: versions, the GPU, and which kernels serve.
 """
@@ -59,9 +59,9 @@ def _gpu_description(device: torch.device) -> dict:
 
 def build_step(options: GpuCheckOptions, deadline: float) -> dict:
     """Nothing to build (module docstring); what serves each op on this device."""
-    from kernels import ops
-    from kernels._triton_compat import HAS_TRITON
-    from kernels.native import native_kernels
+    from splitserve_kernels import ops
+    from splitserve_kernels._triton_compat import HAS_TRITON
+    from splitserve_kernels.native import native_kernels
 
     device = device_for(options)
     triton_version = None
@@ -77,7 +77,7 @@ def build_step(options: GpuCheckOptions, deadline: float) -> dict:
         "ops_run_triton_on_this_device": ops.use_triton(device),
         "native_extension": {
             "built": False,
-            "reason": "kernels/csrc is the CPU path only; on CUDA kernels.ops runs the Triton "
+            "reason": "kernels/csrc is the CPU path only; on CUDA splitserve_kernels.ops runs the Triton "
                       "kernels, which Triton compiles on first use",
             "loads_here": native_kernels().available,
         },

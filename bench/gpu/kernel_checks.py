@@ -1,6 +1,6 @@
 """The ``kernels`` step: each Triton kernel against its torch reference, both on the same
 device (CUDA; in a dry run the CPU with the kernels interpreted), on the kernel tests'
-cases (kernels/testing.py) plus, on the device, model-sized ones.
+cases (kernels/splitserve_kernels/testing.py) plus, on the device, model-sized ones.
 
 Every check records the largest absolute difference, the tolerance (the kernel tests'
 own: ``torch.testing.assert_close`` with that ``atol`` / ``rtol``; 0 for copies) and
@@ -17,14 +17,14 @@ import torch
 
 from bench.gpu.device import device_for
 from bench.gpu.options import GpuCheckOptions
-from kernels import kv_int8
-from kernels import quant_matmul as qm
-from kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
-from kernels.kv_write import write_kv_ref, write_kv_triton
-from kernels.paged_attention import paged_attention_int8_triton, paged_attention_triton
-from kernels.paged_attention_ref import paged_attention_ref
-from kernels.quant_matmul_triton import int4_matmul_triton, int8_matmul_triton
-from kernels.testing import make_kv_cache, make_paged_batch, make_write_kv_case
+from splitserve_kernels import kv_int8
+from splitserve_kernels import quant_matmul as qm
+from splitserve_kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
+from splitserve_kernels.kv_write import write_kv_ref, write_kv_triton
+from splitserve_kernels.paged_attention import paged_attention_int8_triton, paged_attention_triton
+from splitserve_kernels.paged_attention_ref import paged_attention_ref
+from splitserve_kernels.quant_matmul_triton import int4_matmul_triton, int8_matmul_triton
+from splitserve_kernels.testing import make_kv_cache, make_paged_batch, make_write_kv_case
 
 F32 = (1e-5, 1e-5)  # (atol, rtol) of the kernel tests
 BF16_VS_F32 = (1e-6, 2**-7)  # one bf16 ulp: the kernel upcasts, only its final cast rounds

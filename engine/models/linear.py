@@ -40,7 +40,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from kernels.native import native_kernels
+from splitserve_kernels.native import native_kernels
 
 # Native libraries whose panel GEMM serves every float32 row count (module docstring).
 PANEL_VARIANTS = frozenset({"avx2"})

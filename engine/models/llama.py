@@ -6,7 +6,7 @@ written into their slots first, then attention reads every sequence's context th
 its block table, so a chunk attends to pages computed in earlier steps.
 
 The arithmetic mirrors ``transformers`` (float32 RMSNorm, cos/sin built in float32 then
-cast, the same rotate-half RoPE; kernels/elementwise.py), so greedy outputs match
+cast, the same rotate-half RoPE; kernels/splitserve_kernels/elementwise.py), so greedy outputs match
 ``generate`` token for token. On CPU the elementwise parts run as fused native ops
 (kernels/csrc/elementwise.cpp) and the residual stream is updated in place; where every op
 of a layer is native (float32 panel linears, no q/k norms, a float32 cache), the whole layer
@@ -26,8 +26,8 @@ from engine.models.linear import Linear
 from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
 from engine.quant.linear import BlockWeight, LinearLayer, WeightQuant, as_dense, cat_rows, linear_factory, lm_head_linear
-from kernels import ops
-from kernels.native import native_kernels
+from splitserve_kernels import ops
+from splitserve_kernels.native import native_kernels
 
 
 @dataclass
@@ -218,7 +218,7 @@ class LlamaModel:
         x: torch.Tensor,  # [T, hidden], the residual stream, updated in place
         mlp_out: torch.Tensor | None,  # [T, hidden], the previous layer's MLP output (None: first)
         cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,  # [T, 1, head_dim], signed (see kernels.elementwise.rotary_ref)
+        sin: torch.Tensor,  # [T, 1, head_dim], signed (see splitserve_kernels.elementwise.rotary_ref)
         k_cache: torch.Tensor,  # this layer's, written in place
         v_cache: torch.Tensor,
         kv: _KVWrite,

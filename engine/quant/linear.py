@@ -1,5 +1,5 @@
 """Linear layers whose weight is quantized once at load: ``--quantization int8`` or ``int4``
-(grouped along the input, ``--quant-group-size``). Formats and kernels: kernels/quant_matmul.py.
+(grouped along the input, ``--quant-group-size``). Formats and kernels: kernels/splitserve_kernels/quant_matmul.py.
 
 On CPU with the native kernels (kernels/csrc/quant_matmul.cpp), weights are llama.cpp's
 blocks of 32 (:class:`GGUFLinear`): int8 is Q8_0, int4 with group size 32 is Q4_1, and a
@@ -7,7 +7,7 @@ GGUF file's tensors already in that type are kept as the file stores them
 (:func:`kept_gguf_types`: the loader hands them over as :class:`BlockWeight`, never
 dequantized and requantized, so the model computes with the file's exact weights). Other
 group sizes run PyTorch's packed int4 kernel; on CUDA the Triton kernels
-(kernels/quant_matmul_triton.py, int8 per output channel); without native kernels the
+(kernels/splitserve_kernels/quant_matmul_triton.py, int8 per output channel); without native kernels the
 torch references.
 
 What is quantized (``LlamaModel``): every projection of every layer (qkv, o, gate/up,
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import quant_matmul as qm
-from kernels._triton_compat import HAS_TRITON
-from kernels.native import native_kernels
+from splitserve_kernels import quant_matmul as qm
+from splitserve_kernels._triton_compat import HAS_TRITON
+from splitserve_kernels.native import native_kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -80,7 +80,7 @@ class Int8Linear:
         if self.device.type == "cpu":
             y = qm.int8_matmul_cpu(x.contiguous(), self.qweight, self.scales_bf16, self.scales)
         elif _use_triton(self.device):
-            from kernels.quant_matmul_triton import int8_matmul_triton
+            from splitserve_kernels.quant_matmul_triton import int8_matmul_triton
 
             y = int8_matmul_triton(x.contiguous(), self.qweight, self.scales)
         else:
@@ -111,7 +111,7 @@ class Int4Linear:
         if self.device.type == "cpu":
             y = qm.int4_matmul_cpu(x.contiguous(), self.cpu_packed, self.scales_and_zeros, self.group_size)
         elif _use_triton(self.device):
-            from kernels.quant_matmul_triton import int4_matmul_triton
+            from splitserve_kernels.quant_matmul_triton import int4_matmul_triton
 
             y = int4_matmul_triton(x.contiguous(), self.packed, self.scales, self.zeros, self.group_size)
         else:
@@ -121,7 +121,7 @@ class Int4Linear:
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A weight ``[out_features, in_features]`` kept in GGUF blocks (kernels/quant_matmul.py):
+    """A weight ``[out_features, in_features]`` kept in GGUF blocks (kernels/splitserve_kernels/quant_matmul.py):
     what the loader hands over for a tensor of a type in :func:`kept_gguf_types`."""
 
     qtype: str  # "Q8_0" | "Q4_1"

@@ -21,7 +21,7 @@ from engine.request import Request
 from engine.sampler import SamplingMetadata, compute_probs, greedy_tokens, random_sample
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
-from kernels.kv_cache import new_kv_cache
+from splitserve_kernels.kv_cache import new_kv_cache
 
 
 class Proposer(ABC):

@@ -1,7 +1,7 @@
 // Fused elementwise ops of a decoder layer: RMSNorm, residual add + RMSNorm, rotary
 // embedding in place, SiLU(gate) * up. One pass and one dispatcher call each, where eager
 // torch makes 3-9 ops and as many passes over the activations. The arithmetic is the torch
-// references' (kernels/elementwise.py) operation for operation (no FMA contraction:
+// references' (kernels/splitserve_kernels/elementwise.py) operation for operation (no FMA contraction:
 // setup.py builds with -ffp-contract=off), except the order in which the RMSNorm sums
 // its squares.
 #include <algorithm>

@@ -1,5 +1,5 @@
 // Fused elementwise ops of a decoder layer (kernels/csrc/elementwise.cpp); references in
-// kernels/elementwise.py.
+// kernels/splitserve_kernels/elementwise.py.
 #pragma once
 
 #include <ATen/core/Tensor.h>

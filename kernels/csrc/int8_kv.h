@@ -1,4 +1,4 @@
-// Rows of the int8 KV cache (kernels/kv_int8.py): head_dim int8 values, then the row's
+// Rows of the int8 KV cache (kernels/splitserve_kernels/kv_int8.py): head_dim int8 values, then the row's
 // float32 scale (native byte order); x[d] = q[d] * scale.
 #pragma once
 

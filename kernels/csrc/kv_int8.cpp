@@ -1,4 +1,4 @@
-// The quantizing K/V write of the int8 KV cache (kernels/kv_int8.py's write_kv_int8_ref, the
+// The quantizing K/V write of the int8 KV cache (kernels/splitserve_kernels/kv_int8.py's write_kv_int8_ref, the
 // same arithmetic): per token and KV head, scale = max |x| / 127, q = x / scale rounded half
 // away from zero, clamped to [-127, 127]; the row is q then the float32 scale.
 #include <algorithm>

@@ -51,7 +51,7 @@ struct Call {  // one call's tensors as raw pointers and element strides
   scalar_t* out;  // [num_tokens, num_heads, head_dim], contiguous
   const int64_t* block_tables;
   PagedGeometry g;
-  // An int8 cache (kernels/kv_int8.py; k and v are then null): rows of head_dim int8 values
+  // An int8 cache (kernels/splitserve_kernels/kv_int8.py; k and v are then null): rows of head_dim int8 values
   // and their float32 scale, dequantized chunk by chunk into scratch (int8_kv.h).
   const int8_t* k8 = nullptr;
   const int8_t* v8 = nullptr;

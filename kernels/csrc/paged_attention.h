@@ -7,7 +7,7 @@ namespace splitserve {
 
 // Causal attention of a ragged batch (decode, prefill, chunked prefill) over paged KV,
 // reading K/V in place through the block table. Same contract as
-// kernels.paged_attention.paged_attention_ref.
+// splitserve_kernels.paged_attention.paged_attention_ref.
 at::Tensor paged_attention_cpu(
     const at::Tensor& query,            // [num_tokens, num_heads, head_dim]
     const at::Tensor& k_cache,          // [num_blocks, block_size, num_kv_heads, head_dim]
@@ -18,7 +18,7 @@ at::Tensor paged_attention_cpu(
     double scale);
 
 // Store each token's K/V rows at its slot (block_id * block_size + offset); a negative slot
-// skips the token. Same contract as kernels.kv_write.write_kv_ref.
+// skips the token. Same contract as splitserve_kernels.kv_write.write_kv_ref.
 void write_kv_cpu(
     const at::Tensor& key,           // [num_tokens, num_kv_heads, head_dim]
     const at::Tensor& value,         // [num_tokens, num_kv_heads, head_dim]

@@ -26,7 +26,7 @@ void check_shapes(const at::Tensor& query, const at::Tensor& k_cache, const at::
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
                     "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
                     "head_dim], got ", k_cache.sizes(), " and ", v_cache.sizes());
-  // An int8 cache (kernels/kv_int8.py): rows of head_dim int8 values and a float32 scale.
+  // An int8 cache (kernels/splitserve_kernels/kv_int8.py): rows of head_dim int8 values and a float32 scale.
   const bool int8 = k_cache.scalar_type() == at::kChar;
   const int64_t row = int8 ? query.size(2) + 4 : query.size(2);
   TORCH_CHECK_VALUE(k_cache.size(3) == row, "query head_dim ", query.size(2),

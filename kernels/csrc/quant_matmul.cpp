@@ -1,5 +1,5 @@
 // Weight-only quantized linear on CPU over llama.cpp's blocks of 32 weights, kept as the
-// GGUF file stores them (kernels/quant_matmul.py documents the formats):
+// GGUF file stores them (kernels/splitserve_kernels/quant_matmul.py documents the formats):
 //
 //   Q8_0  34 bytes: fp16 d, then 32 int8 q            w = d * q
 //   Q4_1  20 bytes: fp16 d, fp16 m, then 16 bytes     w = d * q + m, q in [0, 15]; byte j holds
@@ -215,7 +215,7 @@ void row_tile(const Problem& p, int64_t n0) {
 // Q4_1's activations are x rounded to 8 bits per block of 32 (llama.cpp's Q8_1, which it
 // pairs with Q4_1): dx = max|x| / 127, q_x = round(x / dx) (ties to even), x^ = dx * q_x. At
 // every batch size the kernels compute y = x^ @ dequantize(W).T, so a request's result does
-// not depend on what it is batched with; kernels/quant_matmul.py's reference does the same.
+// not depend on what it is batched with; kernels/splitserve_kernels/quant_matmul.py's reference does the same.
 // Many rows: x^ in float, through tile / rows_via_scratch. One row (batch-1 decode, bound
 // by the weights' bytes): a block's dot is sum_k q_k q_x,k in exact integer arithmetic
 // (maddubs: the unsigned nibbles times the signed q_x, pairs summed in int16 without

@@ -1,5 +1,5 @@
 // The operators this library adds to torch (torch.ops.splitserve.*), CPU implementations.
-// kernels/native.py loads the library and registers their fake (meta) implementations, so
+// kernels/splitserve_kernels/native.py loads the library and registers their fake (meta) implementations, so
 // torch.compile can trace through them.
 #include <torch/library.h>
 

@@ -1,7 +1,7 @@
 """The tests that depend on the CPU's instruction sets, re-run as on an AVX2-only CPU.
 
 The AVX2 test mode limits every path to AVX2 on a machine with AVX-512: ATen's kernels
-(``ATEN_CPU_CAPABILITY=avx2``, which makes kernels/native.py load our AVX2 library too) and
+(``ATEN_CPU_CAPABILITY=avx2``, which makes kernels/splitserve_kernels/native.py load our AVX2 library too) and
 oneDNN's (``ONEDNN_MAX_CPU_ISA=AVX2``: no bfloat16 path, the AVX2-only CPU's case). These
 variables act when torch starts, so the mode is a pytest run of its own: ``make test-avx2`` runs the affected suites
 in it; here, in the ordinary suite, the bfloat16 and kernel-choice tests run in it too.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.native import native_kernels
+from splitserve_kernels.native import native_kernels
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AVX2_MODE = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

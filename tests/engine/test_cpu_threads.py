@@ -47,7 +47,7 @@ def test_num_threads_is_validated() -> None:
 def _step_in_a_thread(engine: Engine) -> dict:
     """One generate on a fresh thread (as a service's engine thread), reporting its pinning."""
     from engine import SamplingParams
-    from kernels.native import thread_cpus
+    from splitserve_kernels.native import thread_cpus
 
     seen: dict = {}
 
@@ -65,7 +65,7 @@ def _step_in_a_thread(engine: Engine) -> dict:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_the_stepping_thread_pins_its_team_one_thread_per_cpu(ckpt_dir: Callable[..., Path],
                                                                restore_threads) -> None:
-    from kernels.native import native_kernels
+    from splitserve_kernels.native import native_kernels
 
     if not native_kernels().available:
         pytest.skip("binding needs the native kernels")
@@ -119,7 +119,7 @@ def test_a_passing_thread_returns_raises_and_its_team_ends_with_it(restore_threa
 
 
 def _native() -> None:
-    from kernels.native import native_kernels
+    from splitserve_kernels.native import native_kernels
 
     if not native_kernels().available:
         pytest.skip("needs the native kernels")

@@ -117,7 +117,7 @@ def test_without_native_kernels_the_references_match(ckpt_dir: Callable[..., Pat
     # As on an install where kernels/csrc did not build: the cache is contiguous (the
     # references' slot write needs it), every op runs its torch reference, tokens still match,
     # and pages packed there unpack into a native (head-major) engine's cache and back.
-    from kernels import native
+    from splitserve_kernels import native
 
     path = ckpt_dir("llama")
     prompts = mixed_prompts(6, 512, seed=31, max_len=60)

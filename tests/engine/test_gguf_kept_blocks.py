@@ -15,7 +15,7 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 from engine.models.loader import load_weights
 from engine.quant.linear import BlockWeight, GGUFLinear
-from kernels.native import native_kernels
+from splitserve_kernels.native import native_kernels
 from tests.engine.gguf_files import checkpoint_to_gguf
 
 needs_native = pytest.mark.skipif(not native_kernels().available, reason="block weights are kept only with the native kernels")
@@ -64,7 +64,7 @@ def _gguf_linears(model: object) -> list[GGUFLinear]:
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["batch", "batch-1"])
 def test_int4_engine_on_kept_blocks_equals_its_torch_reference(prompts: list[list[int]], tmp_path: Path,
                                                                ckpt_dir: Callable[..., Path]) -> None:
-    # Q4_1 weights take activations rounded to 8 bits per block (kernels/quant_matmul.py):
+    # Q4_1 weights take activations rounded to 8 bits per block (kernels/splitserve_kernels/quant_matmul.py):
     # the same engine with every block linear on the torch reference (the file's weights
     # dequantized, round_activations_q8) gives the same tokens, logprobs up to rounding order.
     # "batch-1" decodes one sequence, the kernel's integer-dot path.

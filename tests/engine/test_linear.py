@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine.models import linear
 from engine.models.linear import Linear
-from kernels.native import native_kernels
+from splitserve_kernels.native import native_kernels
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 

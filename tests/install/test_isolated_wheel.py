@@ -8,7 +8,7 @@ source tree.
 
 Kept cheap for CI (minutes on two cores): only the library this CPU loads is compiled
 (``SPLITSERVE_NATIVE_VARIANTS``; the wheel a release ships, and tools/wheel_check.sh, build
-them all), and the venv gets torch and structlog, what ``kernels`` imports, not the wheel's
+them all), and the venv gets torch and structlog, what ``splitserve_kernels`` imports, not the wheel's
 other dependencies. pip's cache serves torch to both environments.
 """
 
@@ -28,15 +28,15 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCH_VERSION = "2.13.0"
 CHECK = """
 import torch
-import kernels
-from kernels import ops
-from kernels.elementwise import rms_norm_ref
-from kernels.native import _library_path, built_against, native_kernels
+import splitserve_kernels
+from splitserve_kernels import ops
+from splitserve_kernels.elementwise import rms_norm_ref
+from splitserve_kernels.native import _library_path, built_against, native_kernels
 loaded = native_kernels()
 assert loaded.available, loaded.reason
 x, w = torch.randn(4, 64), torch.randn(64)
 torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
-print(loaded.variant, built_against(_library_path(loaded.variant)), torch.__version__, kernels.__file__)
+print(loaded.variant, built_against(_library_path(loaded.variant)), torch.__version__, splitserve_kernels.__file__)
 """
 
 
@@ -71,8 +71,8 @@ def test_a_wheel_built_with_build_isolation_loads_its_native_kernels(tmp_path: P
         env={"SPLITSERVE_NATIVE_VARIANTS": variant}, timeout=1800)
     (wheel,) = (tmp_path / "dist").glob("splitserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert f"kernels/_native_{variant}.torch" in names
-    assert [n for n in names if n.startswith(f"kernels/_native_{variant}.") and n.endswith(".so")]
+    assert f"splitserve_kernels/_native_{variant}.torch" in names
+    assert [n for n in names if n.startswith(f"splitserve_kernels/_native_{variant}.") and n.endswith(".so")]
 
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)], timeout=300)

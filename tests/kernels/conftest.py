@@ -29,7 +29,7 @@ if _triton_imported_without_interpreter():
 
 import pytest  # noqa: E402
 
-from kernels.testing import PagedBatch, make_paged_batch  # noqa: E402  (shared with bench.gpu)
+from splitserve_kernels.testing import PagedBatch, make_paged_batch  # noqa: E402  (shared with bench.gpu)
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels.native import native_kernels
+from splitserve_kernels import ops
+from splitserve_kernels.native import native_kernels
 
 needs_native = pytest.mark.skipif(not native_kernels().available, reason="native kernels not loaded")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import elementwise, native, ops
-from kernels.native import native_kernels
+from splitserve_kernels import elementwise, native, ops
+from splitserve_kernels.native import native_kernels
 
 needs_native = pytest.mark.skipif(
     not native_kernels().available, reason=f"native kernels not built: {native_kernels().reason}"

@@ -1,7 +1,7 @@
 """GGUF block formats (Q8_0, Q4_1) and the native block linear (kernels/csrc/quant_matmul.cpp)
 against the torch reference, for every native library this CPU runs (the float32 GEMV and
 the greedy argmax too); the native int8-KV
-attention and write against their references (kernels/kv_int8.py)."""
+attention and write against their references (kernels/splitserve_kernels/kv_int8.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from engine.models.gguf_weights import dequantize_blocks
-from kernels import kv_int8, ops
-from kernels import quant_matmul as qm
-from kernels.native import native_kernels
-from kernels.paged_attention_ref import paged_attention_ref
+from splitserve_kernels import kv_int8, ops
+from splitserve_kernels import quant_matmul as qm
+from splitserve_kernels.native import native_kernels
+from splitserve_kernels.paged_attention_ref import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QTYPES = ("Q8_0", "Q4_1")
@@ -119,8 +119,8 @@ def test_native_refuses_blocks_that_do_not_match_x() -> None:
 
 _VARIANT_CHECK = """
 import torch
-from kernels import quant_matmul as qm
-from kernels.native import native_kernels
+from splitserve_kernels import quant_matmul as qm
+from splitserve_kernels.native import native_kernels
 assert native_kernels().variant == {variant!r}, native_kernels()
 g = torch.Generator().manual_seed(0)
 for qtype in ("Q8_0", "Q4_1"):

@@ -25,11 +25,11 @@ from triton.compiler import ASTSource
 if "nvidia" not in triton.backends.backends:
     print("SKIP: triton has no nvidia backend"); sys.exit(0)
 
-from kernels.kv_int8 import _write_kv_int8_kernel
-from kernels.kv_pack import _copy_pages_kernel
-from kernels.kv_write import _write_kv_kernel
-from kernels.paged_attention import _paged_attention_kernel
-from kernels.quant_matmul_triton import _int4_matmul_kernel, _int8_matmul_kernel
+from splitserve_kernels.kv_int8 import _write_kv_int8_kernel
+from splitserve_kernels.kv_pack import _copy_pages_kernel
+from splitserve_kernels.kv_write import _write_kv_kernel
+from splitserve_kernels.paged_attention import _paged_attention_kernel
+from splitserve_kernels.quant_matmul_triton import _int4_matmul_kernel, _int8_matmul_kernel
 
 INDEX_PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
               "slot_mapping_ptr": "*i64", "block_ids_ptr": "*i64"}

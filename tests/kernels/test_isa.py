@@ -1,4 +1,4 @@
-"""Which native library serves (kernels/native.py): ``SPLITSERVE_CPU_ISA``, the torch version a
+"""Which native library serves (kernels/splitserve_kernels/native.py): ``SPLITSERVE_CPU_ISA``, the torch version a
 library was built against, and the rule that an install on a machine with a compiler has them."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import structlog
 import torch
 
-from kernels import native
-from kernels.native import build_mismatch, built_against, choose_variants, native_kernels
+from splitserve_kernels import native
+from splitserve_kernels.native import build_mismatch, built_against, choose_variants, native_kernels
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ALLOW_REFERENCE = "SPLITSERVE_ALLOW_REFERENCE_KERNELS"
@@ -102,9 +102,9 @@ def test_reference_is_logged_as_a_choice_not_a_warning(monkeypatch) -> None:
 
 FORCED_CHECK = """
 import torch
-from kernels import ops
-from kernels.elementwise import rms_norm_ref
-from kernels.native import native_kernels
+from splitserve_kernels import ops
+from splitserve_kernels.elementwise import rms_norm_ref
+from splitserve_kernels.native import native_kernels
 x, w = torch.randn(4, 64), torch.randn(64)
 torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
 print("variant", native_kernels().variant)

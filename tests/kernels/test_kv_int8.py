@@ -5,9 +5,9 @@ dequantized cache."""
 import pytest
 import torch
 
-from kernels import kv_int8, ops
-from kernels.paged_attention import paged_attention_int8_triton
-from kernels.paged_attention_ref import paged_attention_ref
+from splitserve_kernels import kv_int8, ops
+from splitserve_kernels.paged_attention import paged_attention_int8_triton
+from splitserve_kernels.paged_attention_ref import paged_attention_ref
 
 
 def _rows(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels import kv_pack
-from kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
-from kernels.testing import make_kv_cache
+from splitserve_kernels import kv_pack
+from splitserve_kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
+from splitserve_kernels.testing import make_kv_cache
 
 PACK = {"ref": pack_kv_ref, "triton": pack_kv_triton}
 UNPACK = {"ref": unpack_kv_ref, "triton": unpack_kv_triton}
@@ -105,10 +105,10 @@ def test_pack_into_a_reused_buffer(impl) -> None:
 
 
 def test_cpu_head_major_cache_travels_in_the_standard_layout() -> None:
-    # The CPU cache is a head-major view (kernels/kv_cache.py); what pack produces and unpack
+    # The CPU cache is a head-major view (kernels/splitserve_kernels/kv_cache.py); what pack produces and unpack
     # takes is the contiguous standard layout, so a CPU worker and a CUDA worker (or two CPU
     # workers) exchange the same bytes.
-    from kernels.kv_cache import new_kv_cache
+    from splitserve_kernels.kv_cache import new_kv_cache
 
     standard = make_kv_cache(2, 6, 16, 3, 32, seed=4)
     head_major = new_kv_cache(2, 6, 16, 3, 32, torch.float32, torch.device("cpu"))
@@ -126,7 +126,7 @@ def test_cpu_head_major_cache_travels_in_the_standard_layout() -> None:
 def test_the_cpu_cache_is_zeroed_and_asks_for_huge_pages() -> None:
     from pathlib import Path
 
-    from kernels.kv_cache import advise_huge_pages, new_kv_cache
+    from splitserve_kernels.kv_cache import advise_huge_pages, new_kv_cache
 
     cache = new_kv_cache(2, 300, 16, 3, 64, torch.float32, torch.device("cpu"))  # ~29 MB
     assert int(cache.abs().sum()) == 0

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.kv_write import write_kv_ref, write_kv_triton
-from kernels.testing import make_write_kv_case as make_case
+from splitserve_kernels.kv_write import write_kv_ref, write_kv_triton
+from splitserve_kernels.testing import make_write_kv_case as make_case
 
 IMPLS = {"ref": write_kv_ref, "triton": write_kv_triton}
 

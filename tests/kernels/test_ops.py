@@ -1,4 +1,4 @@
-"""kernels.ops: the reference runs on CPU, the Triton kernels on CUDA; imports stay light."""
+"""splitserve_kernels.ops: the reference runs on CPU, the Triton kernels on CUDA; imports stay light."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 import structlog
 import torch
 
-from kernels import native, ops
+from splitserve_kernels import native, ops
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRITON_LAUNCHERS = (
@@ -123,7 +123,7 @@ def test_ops_work_without_triton() -> None:
 import sys
 sys.modules["triton"] = None  # makes "import triton" raise ImportError
 import torch
-from kernels import ops, kv_write
+from splitserve_kernels import ops, kv_write
 assert not ops.HAS_TRITON and not ops.use_triton(torch.device("cuda"))
 k_cache, v_cache = torch.zeros(2, 8, 1, 16), torch.zeros(2, 8, 1, 16)
 key = torch.ones(2, 1, 16)

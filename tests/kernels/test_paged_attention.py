@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention as pa
-from kernels.paged_attention import paged_attention_triton
-from kernels.paged_attention_ref import paged_attention_ref
+from splitserve_kernels import paged_attention as pa
+from splitserve_kernels.paged_attention import paged_attention_triton
+from splitserve_kernels.paged_attention_ref import paged_attention_ref
 
 F32_TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.kv_write import write_kv_ref
-from kernels.native import native_kernels, paged_attention_native, write_kv_native
-from kernels.paged_attention_ref import paged_attention_ref
+from splitserve_kernels.kv_write import write_kv_ref
+from splitserve_kernels.native import native_kernels, paged_attention_native, write_kv_native
+from splitserve_kernels.paged_attention_ref import paged_attention_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 needs_native = pytest.mark.skipif(
@@ -251,8 +251,8 @@ def test_operators_pass_torch_library_opcheck(paged_batch) -> None:
 
 AVX2_CHECK = """
 import torch
-from kernels.native import native_kernels, paged_attention_native
-from kernels.paged_attention_ref import paged_attention_ref
+from splitserve_kernels.native import native_kernels, paged_attention_native
+from splitserve_kernels.paged_attention_ref import paged_attention_ref
 assert torch.backends.cpu.get_cpu_capability() == "AVX2"
 assert native_kernels().variant == "avx2", native_kernels()
 g = torch.Generator().manual_seed(0)

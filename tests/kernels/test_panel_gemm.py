@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.native import native_kernels
+from splitserve_kernels.native import native_kernels
 
 needs_native = pytest.mark.skipif(not native_kernels().available, reason="native kernels not loaded")
 

@@ -5,8 +5,8 @@ references, over shapes that include the 135M default model's projections."""
 import pytest
 import torch
 
-from kernels import quant_matmul as qm
-from kernels.quant_matmul_triton import int4_matmul_triton, int8_matmul_triton
+from splitserve_kernels import quant_matmul as qm
+from splitserve_kernels.quant_matmul_triton import int4_matmul_triton, int8_matmul_triton
 
 # SmolLM2-135M: qkv, o, gate/up, down (hidden 576, 9 + 2 * 3 heads of 64, intermediate 1536).
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

@@ -1,5 +1,5 @@
 """Triton dequant-matmuls for the GPU: ``y = x @ dequant(W).T`` with W in the int8 or int4
-format of kernels/quant_matmul.py (whose torch references they must equal).
+format of quant_matmul.py (whose torch references they must equal).
 
 One program per ``BLOCK_M x BLOCK_N`` tile of y; K is walked ``BLOCK_K`` at a time. Each
 K step loads the quantized tile of W, dequantizes it in registers (int8: to float, the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_compat import require_triton, tl, triton
+from splitserve_kernels._triton_compat import require_triton, tl, triton
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def int8_matmul_triton(
     qweight: torch.Tensor,  # [N, K] int8, rows contiguous
     scales: torch.Tensor,  # [N] float32
 ) -> torch.Tensor:  # [M, N], x's dtype
-    """Triton version of :func:`kernels.quant_matmul.int8_matmul_ref`."""
+    """Triton version of :func:`splitserve_kernels.quant_matmul.int8_matmul_ref`."""
     require_triton()
     n, k = qweight.shape
     _check_x(x, k)
@@ -112,7 +112,7 @@ def int4_matmul_triton(
     zeros: torch.Tensor,  # [N, K // group_size]
     group_size: int,
 ) -> torch.Tensor:  # [M, N], x's dtype
-    """Triton version of :func:`kernels.quant_matmul.int4_matmul_ref`."""
+    """Triton version of :func:`splitserve_kernels.quant_matmul.int4_matmul_ref`."""
     require_triton()
     n, k = packed.shape[0], packed.shape[1] * 2
     _check_x(x, k)

@@ -1,6 +1,6 @@
 """The INT8 KV cache (``--kv-cache-dtype int8``): its row format, the quantizing K/V write
 and paged attention that dequantizes as it reads (torch references here; the Triton write
-below, the Triton attention in kernels/paged_attention.py with ``KV_INT8``).
+below, the Triton attention in paged_attention.py with ``KV_INT8``).
 
 A cache row (one token, one KV head) is ``head_dim + 4`` bytes: the int8 values, then the
 row's float32 scale in native byte order, stored beside the values inside the page::
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_compat import require_triton, tl, triton
-from kernels.paged_attention_ref import paged_attention_ref
+from splitserve_kernels._triton_compat import require_triton, tl, triton
+from splitserve_kernels.paged_attention_ref import paged_attention_ref
 
 SCALE_BYTES = 4
 

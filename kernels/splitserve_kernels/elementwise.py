@@ -3,7 +3,7 @@
 Each is what ``transformers`` computes for Llama-family layers (float32 RMSNorm cast back,
 rotate-half RoPE, SiLU(gate) * up); the native versions (kernels/csrc/elementwise.cpp) do
 the same arithmetic in one pass, so they differ at most by the summation order of the
-RMSNorm's mean of squares. Run them through :mod:`kernels.ops`.
+RMSNorm's mean of squares. Run them through :mod:`splitserve_kernels.ops`.
 """
 
 from __future__ import annotations

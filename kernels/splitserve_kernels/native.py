@@ -1,11 +1,11 @@
 """The native CPU kernels (kernels/csrc), loaded once, with the torch references as fallback.
 
 ``setup.py`` builds one library per CPU capability from the same C++ source
-(``kernels._native_avx512`` / ``_native_avx2`` on x86-64, ``_native_default`` elsewhere).
+(``splitserve_kernels._native_avx512`` / ``_native_avx2`` on x86-64, ``_native_default`` elsewhere).
 :func:`native_kernels` loads the best one this CPU runs, as ATen reports it
 (``torch.backends.cpu.get_cpu_capability()``), which registers the operators
 ``torch.ops.splitserve.paged_attention`` (float caches and the int8 one), ``write_kv``,
-``write_kv_int8``, ``gguf_linear`` (kernels/quant_matmul.py), ``dense_gemv``,
+``write_kv_int8``, ``gguf_linear`` (quant_matmul.py), ``dense_gemv``,
 ``pack_panels`` and ``panel_linear`` (engine/models/linear.py), ``decoder_layer`` (a whole
 layer of those: engine/models/llama.py), ``argmax_rows`` (greedy tokens) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
 ``rotary_``, ``silu_mul``); their fake implementations are registered here so ``torch.compile`` can trace through them
@@ -22,7 +22,7 @@ Each library sits beside a ``.torch`` file naming the torch it was compiled agai
 has no stable C++ ABI); one built against another minor version is not loaded, and the
 reason says what to reinstall. Where no library loads (no compiler at install, an install
 with ``SPLITSERVE_SKIP_NATIVE=1``, another torch), one warning is logged and
-:mod:`kernels.ops` runs the torch references instead.
+:mod:`splitserve_kernels.ops` runs the torch references instead.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def built_against(library: str) -> str | None:
 
 def _library_path(variant: str) -> str | None:
     """Where setup.py put the library of ``variant``, if it built one."""
-    spec = importlib.util.find_spec(f"kernels._native_{variant}")
+    spec = importlib.util.find_spec(f"splitserve_kernels._native_{variant}")
     return None if spec is None else spec.origin
 
 
@@ -235,7 +235,7 @@ def write_kv_native(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     slot_mapping: torch.Tensor,  # [num_tokens] int32/int64; negative skips the token
 ) -> None:
-    """The native slot write; same contract as :func:`kernels.kv_write.write_kv_ref`."""
+    """The native slot write; same contract as :func:`splitserve_kernels.kv_write.write_kv_ref`."""
     torch.ops.splitserve.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 

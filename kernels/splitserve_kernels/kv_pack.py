@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._triton_compat import require_triton, tl, triton
+from splitserve_kernels._triton_compat import require_triton, tl, triton
 
 
 def _as_block_ids(block_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
@@ -55,7 +55,7 @@ def pack_kv_ref(
 ) -> torch.Tensor:  # [num_layers, 2, n, block_size, num_kv_heads, head_dim], contiguous
     """Torch reference: gather the pages ``block_ids`` of every layer into ``out`` (a new
     buffer when None). ``kv_cache`` may have any strides (the CPU cache is a head-major view,
-    kernels/kv_cache.py); the buffer is contiguous in the logical order, the layout that travels."""
+    kv_cache.py); the buffer is contiguous in the logical order, the layout that travels."""
     _check_kv_cache(kv_cache, contiguous=False)
     ids = _as_block_ids(block_ids, kv_cache.device)
     if out is None:

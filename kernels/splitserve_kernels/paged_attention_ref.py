@@ -1,6 +1,6 @@
 """Causal attention for a ragged batch over paged KV (decode, prefill and chunked prefill):
 the torch reference, which is the engine's CPU path, and the argument checks every
-implementation shares (the Triton kernel is in ``kernels/paged_attention.py``).
+implementation shares (the Triton kernel is in ``paged_attention.py``).
 
 Layout of one call (tokens grouped by sequence, in order)::
 

@@ -1,5 +1,5 @@
 """Weight-only quantized matmuls, ``y = x @ dequant(W).T``: formats, torch references, and
-the CPU path on PyTorch's packed kernels (the Triton kernels: kernels/quant_matmul_triton.py).
+the CPU path on PyTorch's packed kernels (the Triton kernels: quant_matmul_triton.py).
 
 Formats (``W`` is ``[N = out_features, K = in_features]``)::
 
@@ -265,6 +265,6 @@ def gguf_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.
 
 
 def gguf_matmul_native(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:  # [M, N]
-    """The native kernel (kernels/csrc/quant_matmul.cpp; needs kernels.native loaded)."""
+    """The native kernel (kernels/csrc/quant_matmul.cpp; needs splitserve_kernels.native loaded)."""
     y = torch.ops.splitserve.gguf_linear(x.to(torch.float32).contiguous(), blocks, GGUF_KINDS[qtype])
     return y.to(x.dtype)

@@ -7,7 +7,7 @@ Two tokens mapped to one slot is a caller bug; which one lands is unspecified.
 
 import torch
 
-from kernels._triton_compat import require_triton, tl, triton
+from splitserve_kernels._triton_compat import require_triton, tl, triton
 
 
 def _check_write_kv_args(

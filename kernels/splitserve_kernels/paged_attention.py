@@ -1,13 +1,13 @@
 """The Triton kernel for paged attention over a ragged batch; the layout of a call and the
-torch reference it must equal are in ``kernels/paged_attention_ref.py``. Output rows past
+torch reference it must equal are in ``paged_attention_ref.py``. Output rows past
 ``query_start_loc[-1]`` are left unspecified.
 """
 
 import torch
 
-from kernels._triton_compat import require_triton, tl, triton
-from kernels.kv_int8 import check_int8_cache
-from kernels.paged_attention_ref import check_paged_attention_args
+from splitserve_kernels._triton_compat import require_triton, tl, triton
+from splitserve_kernels.kv_int8 import check_int8_cache
+from splitserve_kernels.paged_attention_ref import check_paged_attention_args
 
 # ----------------------------------------------------------------------------------------
 # Triton kernel: one program per (query tile, kv head).
@@ -46,7 +46,7 @@ def _paged_attention_kernel(
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    k_scale_ptr,  # KV_INT8: the caches' storage seen as float32 (kernels/kv_int8.py)
+    k_scale_ptr,  # KV_INT8: the caches' storage seen as float32 (kv_int8.py)
     v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
@@ -179,14 +179,14 @@ def paged_attention_triton(
 
 def paged_attention_int8_triton(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim + 4] int8 (kernels/kv_int8.py)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim + 4] int8 (kv_int8.py)
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32/int64
     seq_lens: torch.Tensor,  # [num_seqs] int32/int64, new tokens included
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
-    """Triton version of :func:`kernels.kv_int8.paged_attention_int8_ref`: each K/V tile is
+    """Triton version of :func:`splitserve_kernels.kv_int8.paged_attention_int8_ref`: each K/V tile is
     dequantized in registers as it is loaded."""
     require_triton()
     head_dim = query.shape[2]

@@ -2,24 +2,24 @@
 
 Each op runs its Triton kernel when the tensors are on CUDA and Triton is installed. On the
 CPU, ``paged_attention`` and ``write_kv`` run the native kernels (kernels/csrc, loaded by
-kernels/native.py) and fall back to their torch references where those were not built;
+native.py) and fall back to their torch references where those were not built;
 ``pack_kv`` / ``unpack_kv`` run their references. Importing this module needs neither
 Triton, a GPU nor the native library. Shapes and semantics are documented beside each
-kernel: kernels/kv_write.py, kernels/paged_attention.py, kernels/kv_pack.py.
+kernel: kv_write.py, paged_attention.py, kv_pack.py.
 """
 
 from collections.abc import Sequence
 
 import torch
 
-from kernels import elementwise
-from kernels._triton_compat import HAS_TRITON
-from kernels import kv_int8
-from kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
-from kernels.kv_write import write_kv_ref, write_kv_triton
-from kernels.native import native_kernels, paged_attention_native, write_kv_native
-from kernels.paged_attention import paged_attention_int8_triton, paged_attention_triton
-from kernels.paged_attention_ref import paged_attention_ref
+from splitserve_kernels import elementwise
+from splitserve_kernels._triton_compat import HAS_TRITON
+from splitserve_kernels import kv_int8
+from splitserve_kernels.kv_pack import pack_kv_ref, pack_kv_triton, unpack_kv_ref, unpack_kv_triton
+from splitserve_kernels.kv_write import write_kv_ref, write_kv_triton
+from splitserve_kernels.native import native_kernels, paged_attention_native, write_kv_native
+from splitserve_kernels.paged_attention import paged_attention_int8_triton, paged_attention_triton
+from splitserve_kernels.paged_attention_ref import paged_attention_ref
 
 
 def use_triton(device: torch.device) -> bool:
@@ -40,7 +40,7 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 skips the token
 ) -> None:
     """Store each token's K/V at its slot (``block_id * block_size + offset``). An int8
-    cache (kernels/kv_int8.py) stores them quantized, each row with its scale (natively for
+    cache (kv_int8.py) stores them quantized, each row with its scale (natively for
     float32 K/V on CPU, kernels/csrc/kv_int8.cpp)."""
     if k_cache.dtype == torch.int8:
         if use_triton(key.device):
@@ -69,7 +69,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a ragged batch (decode, prefill, chunked prefill) over paged KV.
-    An int8 cache is dequantized inside the attention call (kernels/kv_int8.py); the native
+    An int8 cache is dequantized inside the attention call (kv_int8.py); the native
     kernel reads its rows and scales in place (float32 queries)."""
     if k_cache.dtype == torch.int8:
         if use_triton(query.device):
@@ -119,7 +119,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows
     return logits.max(dim=-1).indices
 
 
-# -- the elementwise parts of a layer (kernels/elementwise.py, kernels/csrc/elementwise.cpp) --
+# -- the elementwise parts of a layer (elementwise.py, kernels/csrc/elementwise.cpp) --
 
 
 def _native_rows(x: torch.Tensor) -> bool:
@@ -155,7 +155,7 @@ def rotary_(
     cos: torch.Tensor,  # [tokens, 1, head_dim]
     signed_sin: torch.Tensor,  # [tokens, 1, head_dim]
 ) -> None:
-    """Rotate-half RoPE in place (see :func:`kernels.elementwise.rotary_ref`)."""
+    """Rotate-half RoPE in place (see :func:`splitserve_kernels.elementwise.rotary_ref`)."""
     native = qk.dtype == cos.dtype == signed_sin.dtype == torch.float32 and qk.stride(2) == 1
     if native and cos.is_contiguous() and signed_sin.is_contiguous() and use_native(qk.device):
         torch.ops.splitserve.rotary_(qk, cos, signed_sin)

@@ -105,9 +105,14 @@ def test_dockerfile_copies_every_packaged_folder() -> None:
     """What ``[tool.setuptools.packages.find]`` packages, the image must have to install."""
     import tomllib
 
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     copied = set(dockerfile_sources())
-    assert {pattern.split(".")[0].rstrip("*") for pattern in include} <= copied
+    folders = set()
+    for pattern in find["include"]:  # each package's folder: top level, or under another `where`
+        name = pattern.split(".")[0].rstrip("*")
+        folders |= {where for where in find["where"] if where != "." and (ROOT / where / name).is_dir()} or {name}
+    assert "kernels" in folders
+    assert folders <= copied
 
 
 @pytest.mark.slow

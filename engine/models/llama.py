@@ -9,7 +9,7 @@ The arithmetic mirrors ``transformers`` (float32 RMSNorm, cos/sin built in float
 cast, the same rotate-half RoPE; kernels/splitserve_kernels/elementwise.py), so greedy outputs match
 ``generate`` token for token. On CPU the elementwise parts run as fused native ops
 (kernels/csrc/elementwise.cpp) and the residual stream is updated in place; where every op
-of a layer is native (float32 panel linears, no q/k norms, a float32 cache), the whole layer
+of a layer is native (float32 panel linears, no q/k norms, a float32 or int8 cache), the whole layer
 is one call, ``splitserve::decoder_layer`` (kernels/csrc/decoder_layer.cpp): the same ops in
 the same order, without the Python and the dispatcher between them.
 """
@@ -198,7 +198,8 @@ class LlamaModel:
         """Every decoder layer: the residual stream and the last layer's MLP output, not yet
         added to it (each layer adds its predecessor's in its first norm)."""
         mlp_out = None
-        layer_fn = self._fused_layer if self.fused_layers and kv_cache.dtype == torch.float32 else self._layer
+        fused = self.fused_layers and kv_cache.dtype in (torch.float32, torch.int8)
+        layer_fn = self._fused_layer if fused else self._layer
         for i, layer in enumerate(self.layers):
             mlp_out = layer_fn(layer, x, mlp_out, cos, sin, kv_cache[i, 0], kv_cache[i, 1], kv)
         return x, mlp_out

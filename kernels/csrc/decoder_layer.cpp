@@ -4,9 +4,9 @@
 // same bits. What it saves is the Python and the dispatcher between those ten calls.
 //
 // It serves the layers whose every op is native: weights in column panels (panel_gemm.cpp),
-// no q/k norms, a float32 cache (write_kv.cpp, paged_attention.cpp). The Python route serves
-// the rest (quantized weights, int8 caches, oneDNN's linears, CUDA) and is the reference the
-// tests compare this with.
+// no q/k norms, a float32 or an int8 cache (write_kv.cpp or kv_int8.cpp, paged_attention.cpp).
+// The Python route serves the rest (quantized weights, oneDNN's linears, CUDA) and is the
+// reference the tests compare this with.
 #include <cstdint>
 #include <optional>
 
@@ -33,8 +33,8 @@ at::Tensor decoder_layer_cpu(
     const at::Tensor& down,                    // panels of [hidden, intermediate]
     const at::Tensor& cos,                     // [T, 1, D]
     const at::Tensor& sin,                     // [T, 1, D], signed
-    at::Tensor& k_cache,                       // [num_blocks, block_size, KV, D], written in place
-    at::Tensor& v_cache,                       // [num_blocks, block_size, KV, D], written in place
+    at::Tensor& k_cache,                       // [num_blocks, block_size, KV, D] (int8: D + 4), written in place
+    at::Tensor& v_cache,                       // [num_blocks, block_size, KV, D] (int8: D + 4), written in place
     const at::Tensor& slot_mapping,            // [T]
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
@@ -55,7 +55,11 @@ at::Tensor decoder_layer_cpu(
   const at::Tensor q = qk.narrow(1, 0, H);
   const at::Tensor k = qk.narrow(1, H, KV);
   // attend(i, q, k, v): the new K/V into the cache, then attention over it
-  write_kv_cpu(k, v, k_cache, v_cache, slot_mapping);
+  if (k_cache.scalar_type() == at::kChar) {
+    write_kv_int8_cpu(k, v, k_cache, v_cache, slot_mapping);
+  } else {
+    write_kv_cpu(k, v, k_cache, v_cache, slot_mapping);
+  }
   const at::Tensor attn = paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
   // ops.add_rms_norm_(x, layer.o(attn), post_norm), then layer.down(ops.silu_mul(layer.gate_up(h)))
   h = add_rms_norm_cpu(x, panel_linear_cpu(attn.reshape({T, H * D}), o, hidden, std::nullopt), post_norm, eps);

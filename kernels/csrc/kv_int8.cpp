@@ -11,6 +11,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "paged_attention.h"
+
 namespace splitserve {
 namespace {
 
@@ -39,6 +41,8 @@ void write_one(const at::Tensor& src, const at::Tensor& cache, const int64_t* sl
   }
 }
 
+}  // namespace
+
 void write_kv_int8_cpu(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(key.dim() == 3 && value.sizes() == key.sizes() && key.scalar_type() == at::kFloat &&
@@ -59,7 +63,6 @@ void write_kv_int8_cpu(const at::Tensor& key, const at::Tensor& value, const at:
   write_one(v, v_cache, slots.data_ptr<int64_t>());
 }
 
-}  // namespace
 }  // namespace splitserve
 
 TORCH_LIBRARY_FRAGMENT(splitserve, m) {

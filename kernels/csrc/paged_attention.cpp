@@ -217,11 +217,14 @@ const float* value_rows(const scalar_t* v, int64_t slot_stride, int n, int D, Sc
 
 // Ask for the n rows (row_bytes each, slot_stride elements apart) of the next chunk: its page
 // is elsewhere in memory, so the hardware prefetcher cannot see it coming.
-template <typename scalar_t>
-inline void prefetch_rows(const scalar_t* p, int64_t slot_stride, int n, int64_t row_bytes) {
+// An int8 row (head_dim + 4 bytes) may end in a cache line its first bytes' step misses: its
+// last byte is asked for too.
+template <typename elem_t>
+inline void prefetch_rows(const elem_t* p, int64_t slot_stride, int n, int64_t row_bytes) {
   for (int t = 0; t < n; ++t) {
     const char* row = reinterpret_cast<const char*>(p + t * slot_stride);
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+    __builtin_prefetch(row + row_bytes - 1, 0, 3);
   }
 }
 
@@ -239,16 +242,22 @@ inline void prefetch_ahead(const Call<scalar_t>& c, const WorkItem& w, const int
   const auto& g = c.g;
   if (prefetched == w.key_begin) prefetched += n;
   const int64_t end = std::min<int64_t>(until, w.key_end);
-  const int64_t row_bytes = g.head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const bool int8 = c.k8 != nullptr;  // rows of head_dim int8 values and a float32 scale
+  const int64_t row_bytes = int8 ? g.head_dim + static_cast<int64_t>(sizeof(float))
+                                 : g.head_dim * static_cast<int64_t>(sizeof(scalar_t));
   while (prefetched < end) {
     const int64_t offset = prefetched % g.block_size;
     const int rows = static_cast<int>(std::min<int64_t>(g.block_size - offset, end - prefetched));
     const int64_t page = pages[prefetched / g.block_size];
     if constexpr (kK) {
-      prefetch_rows(c.k + page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head, g.k_slot, rows, row_bytes);
+      const int64_t at = page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head;
+      if (int8) prefetch_rows(c.k8 + at, g.k_slot, rows, row_bytes);
+      else prefetch_rows(c.k + at, g.k_slot, rows, row_bytes);
     }
     if constexpr (kV) {
-      prefetch_rows(c.v + page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head, g.v_slot, rows, row_bytes);
+      const int64_t at = page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head;
+      if (int8) prefetch_rows(c.v8 + at, g.v_slot, rows, row_bytes);
+      else prefetch_rows(c.v + at, g.v_slot, rows, row_bytes);
     }
     prefetched += rows;
   }
@@ -284,20 +293,20 @@ void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
   if (static_cast<int64_t>(sc.scores.size()) < rows * stride) sc.scores.resize(rows * stride);
   float* scores = sc.scores.data();
   // A chunk's n K rows (kKeys) or V rows as float, and their stride: in place in a float cache,
-  // whose rows kPrefetchChunks ahead are asked for, or dequantized into scratch from an int8 one.
+  // or dequantized into scratch from an int8 one; the rows kPrefetchChunks ahead are asked for.
   int64_t prefetched = w.key_begin;
   auto chunk_rows = [&](auto keys, int pos, int n, int64_t page, int64_t offset, int64_t& stride) {
     constexpr bool kKeys = decltype(keys)::value;
     const int64_t slot = kKeys ? g.k_slot : g.v_slot;
     const int64_t at = page * (kKeys ? g.k_block : g.v_block) + offset * slot +
                        w.kv_head * (kKeys ? g.k_head : g.v_head);
+    prefetch_ahead<kKeys, !kKeys>(c, w, pages, pos + static_cast<int64_t>(kPrefetchChunks) * kChunk, n, prefetched);
     if (c.k8 != nullptr) {
       float* rows_f = kKeys ? sc.krows.data() : sc.vrows.data();
       dequantize_rows((kKeys ? c.k8 : c.v8) + at, slot, n, kD, rows_f);
       stride = kD;
       return static_cast<const float*>(rows_f);
     }
-    prefetch_ahead<kKeys, !kKeys>(c, w, pages, pos + static_cast<int64_t>(kPrefetchChunks) * kChunk, n, prefetched);
     stride = slot;
     return (kKeys ? c.k : c.v) + at;
   };
@@ -369,7 +378,7 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
         k_slot = D;
       }
     }
-    if (c.k8 == nullptr) prefetch_ahead<true, true>(c, w, pages, pos + static_cast<int64_t>(kPrefetchChunks) * kChunk, n, prefetched);
+    prefetch_ahead<true, true>(c, w, pages, pos + static_cast<int64_t>(kPrefetchChunks) * kChunk, n, prefetched);
     if (!direct) transpose_keys(kp, k_slot, n, D, sc.kt.data());
     int64_t v_stride = D;
     const float* vf = c.k8 != nullptr ? sc.vrows.data() : value_rows(vp, g.v_slot, n, D, sc, v_stride);

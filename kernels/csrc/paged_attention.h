@@ -1,4 +1,5 @@
-// Native CPU kernels for paged KV (see kernels/csrc/paged_attention.cpp, kernels/csrc/write_kv.cpp).
+// Native CPU kernels for paged KV (see kernels/csrc/paged_attention.cpp, kernels/csrc/write_kv.cpp,
+// kernels/csrc/kv_int8.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,6 +25,15 @@ void write_kv_cpu(
     const at::Tensor& value,         // [num_tokens, num_kv_heads, head_dim]
     at::Tensor& k_cache,             // [num_blocks, block_size, num_kv_heads, head_dim]
     at::Tensor& v_cache,             // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& slot_mapping); // [num_tokens] int32/int64
+
+// The same into an int8 cache (kernels/csrc/kv_int8.cpp): each row quantized, then its
+// float32 scale. Same contract as splitserve_kernels.kv_int8.write_kv_int8_ref.
+void write_kv_int8_cpu(
+    const at::Tensor& key,           // [num_tokens, num_kv_heads, head_dim] float32
+    const at::Tensor& value,         // [num_tokens, num_kv_heads, head_dim] float32
+    const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim + 4] int8
+    const at::Tensor& v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim + 4] int8
     const at::Tensor& slot_mapping); // [num_tokens] int32/int64
 
 }  // namespace splitserve

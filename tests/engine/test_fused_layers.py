@@ -26,9 +26,12 @@ def _runner(path: Path, fused: bool, **config: object) -> object:
 
 
 @needs_panels
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the qkv bias
-def test_one_call_per_layer_gives_the_same_bits(arch: str, ckpt_dir: Callable[..., Path]) -> None:
-    fused, python = _runner(ckpt_dir(arch), True), _runner(ckpt_dir(arch), False)
+# qwen2: the qkv bias; int8: the cache's rows quantized by the native write (kv_int8.cpp)
+@pytest.mark.parametrize("arch, kv_cache_dtype", [("llama", "auto"), ("qwen2", "auto"), ("llama", "int8")])
+def test_one_call_per_layer_gives_the_same_bits(arch: str, kv_cache_dtype: str, ckpt_dir: Callable[..., Path]) -> None:
+    fused = _runner(ckpt_dir(arch), True, kv_cache_dtype=kv_cache_dtype)
+    python = _runner(ckpt_dir(arch), False, kv_cache_dtype=kv_cache_dtype)
+    assert fused.kv_cache.dtype == (torch.int8 if kv_cache_dtype == "int8" else torch.float32)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, fused.spec.vocab_size, (45,), generator=gen).tolist() for _ in range(3)]
     tables = [[9, 3, 40, 17], [5, 6, 30, 31], [2, 50]]
@@ -77,15 +80,3 @@ def test_layers_it_cannot_serve_keep_the_python_route(ckpt_dir: Callable[..., Pa
     assert not Engine(EngineConfig(model=str(ckpt_dir("qwen3")), num_kv_blocks=8)).runner.model.fused_layers
     int8 = EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, quantization="int8")
     assert not Engine(int8).runner.model.fused_layers
-
-
-@needs_panels
-def test_an_int8_cache_runs_the_python_route(ckpt_dir: Callable[..., Path],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = _runner(ckpt_dir("llama"), True, kv_cache_dtype="int8")
-    calls = []
-    monkeypatch.setattr(runner.model, "_fused_layer", lambda *a: calls.append(a))
-    piece = SeqSlice(list(range(3, 20)), 0, [1, 2])
-    with torch.inference_mode():
-        runner.model.forward(make_forward_batch([piece], [16], BLOCK, torch.device("cpu")), runner.kv_cache)
-    assert calls == []

@@ -89,6 +89,27 @@ def test_reference_equals_attention_over_the_dequantized_cache(paged_batch, name
     assert float((got - exact).abs().max()) < 0.05
 
 
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` [blocks, block_size, heads, row] copied into head-major storage (the CPU layout,
+    kv_cache.py), seen in the same order."""
+    return torch.empty_like(cache.transpose(1, 2).contiguous()).transpose(1, 2).copy_(cache)
+
+
+@pytest.mark.parametrize("name", sorted(BATCHES))
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the decode path compiled for its head_dim
+def test_either_cache_layout_gives_the_same_bits(paged_batch, name: str, head_dim: int) -> None:
+    q_lens, seq_lens = BATCHES[name]
+    batch = paged_batch(q_lens, seq_lens, block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=head_dim)
+    k8, v8, k_deq, v_deq = _quantized(batch)
+    meta = (batch.block_tables, batch.seq_lens, batch.query_start_loc, head_dim**-0.5)
+    token_major = ops.paged_attention(batch.query, k8, v8, *meta)
+    k_hm, v_hm = _head_major(k8), _head_major(v8)
+    assert not k_hm.is_contiguous() and torch.equal(k_hm, k8)
+    assert torch.equal(ops.paged_attention(batch.query, k_hm, v_hm, *meta), token_major)
+    want = paged_attention_ref(batch.query, k_deq, v_deq, *meta)
+    torch.testing.assert_close(token_major, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", sorted(BATCHES))
 @pytest.mark.parametrize(("block_size", "queries_per_kv"), [(8, 1), (16, 4)])
 def test_triton_matches_the_dequantized_reference(paged_batch, name: str, block_size: int, queries_per_kv: int) -> None:

@@ -104,20 +104,25 @@ def test_pack_into_a_reused_buffer(impl) -> None:
         PACK[impl](kv_cache, [1, 2], out)  # 2 pages into a 3-page buffer
 
 
-def test_cpu_head_major_cache_travels_in_the_standard_layout() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])  # int8: rows of 32 values and a 4-byte scale
+def test_cpu_head_major_cache_travels_in_the_standard_layout(dtype: torch.dtype) -> None:
     # The CPU cache is a head-major view (kernels/splitserve_kernels/kv_cache.py); what pack produces and unpack
     # takes is the contiguous standard layout, so a CPU worker and a CUDA worker (or two CPU
     # workers) exchange the same bytes.
     from splitserve_kernels.kv_cache import new_kv_cache
 
-    standard = make_kv_cache(2, 6, 16, 3, 32, seed=4)
-    head_major = new_kv_cache(2, 6, 16, 3, 32, torch.float32, torch.device("cpu"))
+    row = 32 if dtype == torch.float32 else 36
+    standard = make_kv_cache(2, 6, 16, 3, row, seed=4)
+    if dtype == torch.int8:
+        standard = (standard * 40).clamp(-127, 127).to(torch.int8)
+    head_major = new_kv_cache(2, 6, 16, 3, row, dtype, torch.device("cpu"))
     assert head_major.shape == standard.shape and not head_major.is_contiguous()
-    assert head_major[0, 0, 0, :, 0].data_ptr() + 16 * 32 * 4 == head_major[0, 0, 0, :, 1].data_ptr()
+    row_bytes = row * head_major.element_size()
+    assert head_major[0, 0, 0, :, 0].data_ptr() + 16 * row_bytes == head_major[0, 0, 0, :, 1].data_ptr()
     head_major.copy_(standard)
     buffer = pack_kv_ref(head_major, [5, 2])
     assert buffer.is_contiguous() and torch.equal(buffer, pack_kv_ref(standard, [5, 2]))
-    receiver = new_kv_cache(2, 6, 16, 3, 32, torch.float32, torch.device("cpu"))
+    receiver = new_kv_cache(2, 6, 16, 3, row, dtype, torch.device("cpu"))
     unpack_kv_ref(receiver, buffer, [0, 4])
     assert torch.equal(receiver[:, :, [0, 4]], standard[:, :, [5, 2]])
     assert int(receiver[:, :, [1, 2, 3, 5]].abs().sum()) == 0

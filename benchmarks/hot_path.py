@@ -226,7 +226,35 @@ CHILDREN = {"engine": child_engine, "hf": child_hf, "kernel": child_kernel}
 # -- the parent: fresh processes, one after another -------------------------------------
 
 
+# The machine's state just before a timed run, in its own fresh process on every core: a
+# 256 MiB read and a float32 matmul's rate, best of 3 each. On shared CPUs the state drifts
+# between runs; this says whether a slow run was the machine's or the system's.
+_PROBE = """
+import json, os, time, torch
+torch.set_num_threads(len(os.sched_getaffinity(0)))
+buf, a, b = torch.ones(64 << 20), torch.randn(1024, 1024), torch.randn(1024, 1024)
+def best(fn):
+    fn(); times = []
+    for _ in range(3):
+        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+    return min(times)
+print(json.dumps({"read_gb_s": buf.numel() * 4 / best(lambda: float(buf.sum())) / 1e9,
+                  "matmul_gflop_s": 2 * 1024 ** 3 / best(lambda: torch.mm(a, b)) / 1e9}))
+"""
+
+
+def machine_probe() -> dict:
+    """``{"read_gb_s", "matmul_gflop_s"}`` measured now (``_PROBE``), or ``{"error"}``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LD_PRELOAD")}
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=120)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as exc:
+        return {"error": f"machine probe failed: {exc!r}"}
+
+
 def _run_process(cmd: list[str], env: dict, out_path: Path, log_path: Path, timeout_s: int) -> dict:
+    machine = machine_probe()
     load_before = os.getloadavg()[0]
     with open(log_path, "wb") as log:
         try:
@@ -236,6 +264,7 @@ def _run_process(cmd: list[str], env: dict, out_path: Path, log_path: Path, time
     result = json.loads(out_path.read_text()) if out_path.is_file() else {
         "error": f"no result (log: {log_path})"}
     result["load_before"], result["load_after"] = load_before, os.getloadavg()[0]
+    result["machine_before"] = machine
     return result
 
 
@@ -374,7 +403,9 @@ def _throughput_lines(results: dict, figures: dict) -> list[str]:
             ours = best_round(results, system, model)
             a = tok_s(ours)
             rounds = {"ours": [tok_s(v) for k, v in results.items() if k.startswith(f"{system}-{model}-")],
-                      "vllm": vllm_rounds}
+                      "vllm": vllm_rounds,
+                      "machine_ours": _machine_rounds(results, system, model),
+                      "machine_vllm": _machine_rounds(results, peer, model)}
             key = f"throughput_{model}" + ("" if system == "ours" else f"_{system.removeprefix('ours_')}")
             figures[key] = {"ours": a, "vllm": b, "ratio": _ratio(a, b), "rounds": rounds, "peer": peer,
                             "greedy_equal": same_outputs(ours, vllm), "native": ours.get("native"),
@@ -384,7 +415,21 @@ def _throughput_lines(results: dict, figures: dict) -> list[str]:
             lines.append(f"  {label:<34} {_fmt(a):>8} {_fmt(b):>8}  {_fmt(_ratio(a, b), '.2f'):>6}x   "
                          f"load {_load(ours)} | {_load(vllm)}; greedy equal {same_outputs(ours, vllm)}; "
                          f"rounds ours/vLLM {per_round}")
+            lines.append(f"    machine before each round, read GB/s / matmul GFLOP/s: ours "
+                         f"{_machine_text(rounds['machine_ours'])} | vLLM {_machine_text(rounds['machine_vllm'])}")
     return lines
+
+
+def _machine_rounds(results: dict, system: str, model: str) -> list[dict | None]:
+    return [v.get("machine_before") for k, v in results.items() if k.startswith(f"{system}-{model}-")]
+
+
+def _machine_text(rounds: list[dict | None]) -> str:
+    def one(m: dict | None) -> str:
+        if not m or "read_gb_s" not in m:
+            return "?"
+        return f"{m['read_gb_s']:.1f}/{m['matmul_gflop_s']:.0f}"
+    return " ".join(one(m) for m in rounds) or "-"
 
 
 def _best_ms(results: dict, system: str, model: str) -> tuple[float | None, dict]:

@@ -9,7 +9,8 @@ from benchmarks import hot_path
 
 def _run(tok_s: float, ms: float | None = None, ids=((1, 2),)) -> dict:
     out = {"seconds": 8192 / tok_s, "num_output_tokens": 8192, "output_ids": [list(i) for i in ids],
-           "load_before": 1.0, "load_after": 1.5}
+           "load_before": 1.0, "load_after": 1.5,
+           "machine_before": {"read_gb_s": tok_s / 100, "matmul_gflop_s": tok_s / 10}}
     if ms is not None:
         out["decode_ms_per_token"] = ms
     return out
@@ -34,6 +35,9 @@ def test_summary_takes_the_best_round_of_each_system() -> None:
     assert figures["kernel_32m"]["1_threads"]["attention_gb_s"] == 20.0
     text = "\n".join(lines)
     assert "1.25x" in text and "failed" in text and "greedy equal 1/1" in text
+    # The machine's state before each round, beside the round's figure (a failed round: "?").
+    assert figures["throughput_32m"]["rounds"]["machine_ours"][1] == {"read_gb_s": 10.0, "matmul_gflop_s": 100.0}
+    assert "ours 9.0/90 10.0/100 | vLLM 8.0/80 ?" in text
 
 
 def test_a_system_that_failed_every_round_is_reported_not_raised() -> None:

@@ -132,24 +132,43 @@ void panel_rows(const Problem& p, int64_t panel, int64_t m0, int64_t m1) {
   // short block runs fewer FMA chains than the pipelines hold (16 rows: 6 + 5 + 5, not 6 + 6 + 4).
   const int64_t num_blocks = (m1 - m0 + kMR - 1) / kMR;
   const int64_t base = (m1 - m0) / num_blocks, extra = (m1 - m0) % num_blocks;
+  if (full) {
+    // k blocks outside the row blocks: a panel block (16 KB) stays in L1 while every row block
+    // passes over it. Each output's sums run in the same order as below, so the bits are equal.
+    // Against row blocks outside (Zen 3, busy, 120 projections, interleaved, medians): 2048 rows
+    // 125 / 116 GFLOP/s, 256 rows 115 / 105, 64 rows 113 / 100.
+    for (int64_t k0 = 0; k0 < p.K; k0 += kKC) {
+      const int kc = static_cast<int>(std::min<int64_t>(kKC, p.K - k0));
+      const float* bk = k0 + kc == p.K ? bias : nullptr;
+      for (int64_t b = 0, m = m0; b < num_blocks; ++b) {
+        const int rows = static_cast<int>(base + (b < extra ? 1 : 0));
+        const float* xk = p.x + m * p.ldx + k0;
+        float* y = p.y + m * p.N + n0;
+        if (p.M >= kPrefetchRows) {
+          micro_rows<true>(rows, xk, p.ldx, w + k0 * kNR, kc, y, p.N, k0 == 0, bk);
+        } else {
+          micro_rows<false>(rows, xk, p.ldx, w + k0 * kNR, kc, y, p.N, k0 == 0, bk);
+        }
+        m += rows;
+      }
+    }
+    return;
+  }
+  // A partial last panel: row block by row block, through the tile.
   for (int64_t b = 0, m = m0; b < num_blocks; ++b) {
     const int rows = static_cast<int>(base + (b < extra ? 1 : 0));
-    float* y = full ? p.y + m * p.N + n0 : tile;
-    const int64_t ldy = full ? p.N : kNR;
     for (int64_t k0 = 0; k0 < p.K; k0 += kKC) {
       const int kc = static_cast<int>(std::min<int64_t>(kKC, p.K - k0));
       const bool last = k0 + kc == p.K;
       const float* xk = p.x + m * p.ldx + k0;
       const float* bk = last ? bias : nullptr;
       if (p.M >= kPrefetchRows) {
-        micro_rows<true>(rows, xk, p.ldx, w + k0 * kNR, kc, y, ldy, k0 == 0, bk);
+        micro_rows<true>(rows, xk, p.ldx, w + k0 * kNR, kc, tile, kNR, k0 == 0, bk);
       } else {
-        micro_rows<false>(rows, xk, p.ldx, w + k0 * kNR, kc, y, ldy, k0 == 0, bk);
+        micro_rows<false>(rows, xk, p.ldx, w + k0 * kNR, kc, tile, kNR, k0 == 0, bk);
       }
     }
-    if (!full) {
-      for (int i = 0; i < rows; ++i) std::copy(tile + i * kNR, tile + i * kNR + (p.N - n0), p.y + (m + i) * p.N + n0);
-    }
+    for (int i = 0; i < rows; ++i) std::copy(tile + i * kNR, tile + i * kNR + (p.N - n0), p.y + (m + i) * p.N + n0);
     m += rows;
   }
 }

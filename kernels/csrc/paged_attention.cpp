@@ -20,7 +20,6 @@
 #include "paged_attention.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -36,6 +35,7 @@
 #include "attention_scores.h"
 #include "int8_kv.h"
 #include "paged_attention_args.h"
+#include "threads.h"
 
 namespace splitserve {
 namespace {
@@ -479,21 +479,6 @@ void combine_split(const Call<scalar_t>& c, const SplitTile& t, const Partials& 
     const int64_t head = t.kv_head * g.group + r % g.group;
     scalar_t* dst = c.out + ((t.tok_begin + r / g.group) * g.num_heads + head) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] / sum);
-  }
-}
-
-// Runs fn(i) for i in [0, n) on up to max_threads intra-op threads, each taking the next index.
-template <typename F>
-void parallel_dynamic(int64_t n, int64_t max_threads, const F& fn) {
-  const int64_t num_threads = std::min<int64_t>(max_threads, n);
-  std::atomic<int64_t> next{0};
-  auto worker = [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-  };
-  if (num_threads <= 1) {
-    worker(0, 1);
-  } else {
-    at::parallel_for(0, num_threads, 1, worker);
   }
 }
 

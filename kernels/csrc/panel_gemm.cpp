@@ -12,12 +12,13 @@
 // Blocking: k goes in blocks of KC (a panel block is 16 KB, staying in L1 while every row
 // block passes over it), rows in blocks of MC (x's block of MC x K floats stays in L2 while
 // the thread's panels pass over it), each cut into as few blocks of at most MR rows as fit,
-// of even sizes; panels are split over the intra-op threads.
+// of even sizes; a block of x rows times a chunk of panels is a work item, and the intra-op
+// threads take the items in turn (parallel_dynamic in threads.h), not in fixed shares.
 //
 // Rounding: y[m, n] sums x[m, k] * w[n, k] over each block of KC keys in order of k (one
 // fused multiply-add at a time), adds the blocks' sums in order, then the bias. That order
-// depends on nothing else: not on M, on which rows share the batch, nor on the thread count,
-// so a row's output is the same in any batch.
+// depends on nothing else: not on M, on which rows share the batch, on the thread count, nor
+// on which thread took the work item, so a row's output is the same in any batch.
 //
 // Measured on an AMD EPYC Zen 3 (2 cores, AVX2), the default model's 120 projections and its
 // LM head (30 distinct layers, so weights come from memory as in a step), float32:
@@ -38,6 +39,7 @@
 
 #include "float_vec.h"
 #include "panel_gemm.h"
+#include "threads.h"
 
 namespace splitserve {
 namespace {
@@ -57,6 +59,10 @@ constexpr int64_t kXBlockFloats = 65536;  // x rows per block: about 256 KB of t
 // few rows the weight streams faster than the kernel uses it and the hardware prefetcher
 // keeps up (asking cost 1-2 rows ~10%), with more it gained ~8% at 8-16 rows (Zen 3).
 constexpr int64_t kPrefetchRows = 8;
+// Chunks of panels per intra-op thread. With a fixed split of one range per thread, a thread
+// the OS takes off its core (the service's other processes streaming tokens, on a 2-core
+// machine) held up its whole share; with chunks taken in turn, only the one it is on.
+constexpr int64_t kChunksPerThread = 4;
 
 struct Problem {
   const float* x;  // [M, K], row stride ldx
@@ -226,14 +232,21 @@ at::Tensor panel_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64
   const Problem p{x.data_ptr<float>(), x.stride(0), panels.data_ptr<float>(), b, y.data_ptr<float>(), M, N, K};
   const int64_t num_panels = panels.size(0);
   const int64_t mc = std::max<int64_t>(kMR, kXBlockFloats / K / kMR * kMR);
-  // Each thread takes a contiguous range of panels (at least ~64K weights' worth), then passes
-  // every block of x rows over it.
+  // The work goes in items of one block of x rows times a chunk of contiguous panels (at
+  // least ~64K weights' worth), handed to whichever thread asks next (parallel_dynamic), the
+  // row blocks in order. Few row blocks (decode): about kChunksPerThread chunks per thread;
+  // many (prefill): one per thread, so that weights and x are read as often as with a
+  // fixed split, each thread passing each of its row blocks over a panel range.
   const int64_t grain = std::max<int64_t>(1, 65536 / (K * kNR));
-  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-      const int64_t m1 = std::min(M, m0 + mc);
-      for (int64_t panel = begin; panel < end; ++panel) panel_rows(p, panel, m0, m1);
-    }
+  const int64_t max_chunks = std::max<int64_t>(1, num_panels / grain);
+  const int64_t num_row_blocks = (M + mc - 1) / mc;
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), max_chunks);
+  const int64_t num_chunks =
+      threads <= 1 ? 1 : std::min(max_chunks, threads * std::max<int64_t>(1, kChunksPerThread / num_row_blocks));
+  parallel_dynamic(num_row_blocks * num_chunks, threads, [&](int64_t item) {
+    const int64_t m0 = item / num_chunks * mc, m1 = std::min(M, m0 + mc), chunk = item % num_chunks;
+    const int64_t end = (chunk + 1) * num_panels / num_chunks;
+    for (int64_t panel = chunk * num_panels / num_chunks; panel < end; ++panel) panel_rows(p, panel, m0, m1);
   });
   return y;
 }

@@ -34,21 +34,25 @@ def test_matches_reference(rows, n, k) -> None:
 
 
 @needs_native
-def test_a_row_gets_the_same_bits_in_any_batch() -> None:
+@pytest.mark.parametrize(("rows", "n", "k"), [(37, 200, 700), (300, 600, 700)])
+def test_a_row_gets_the_same_bits_in_any_batch(rows, n, k) -> None:
     # The kernel sums each output in an order that depends on nothing but K: a request's
-    # logits do not change with the batch it shares a step with, nor with the thread count.
+    # logits do not change with the batch it shares a step with, nor with the thread count,
+    # nor with which thread took which chunk of panels. 300 rows of K = 700 are four blocks
+    # of x rows, each cut into chunks of panels.
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(200, 700, generator=gen)
-    x = torch.randn(37, 700, generator=gen)
+    weight = torch.randn(n, k, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
     panels = torch.ops.splitserve.pack_panels(weight)
-    full = torch.ops.splitserve.panel_linear(x, panels, 200, None)
-    for i in (0, 5, 6, 36):
-        assert torch.equal(torch.ops.splitserve.panel_linear(x[i : i + 1], panels, 200, None)[0], full[i])
-    assert torch.equal(torch.ops.splitserve.panel_linear(x[3:20], panels, 200, None), full[3:20])
+    full = torch.ops.splitserve.panel_linear(x, panels, n, None)
+    for i in (0, 5, 6, rows - 1):
+        assert torch.equal(torch.ops.splitserve.panel_linear(x[i : i + 1], panels, n, None)[0], full[i])
+    assert torch.equal(torch.ops.splitserve.panel_linear(x[3:20], panels, n, None), full[3:20])
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(torch.ops.splitserve.panel_linear(x, panels, 200, None), full)
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(torch.ops.splitserve.panel_linear(x, panels, n, None), full)
     finally:
         torch.set_num_threads(threads)
 

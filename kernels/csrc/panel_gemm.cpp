@@ -11,7 +11,7 @@
 //
 // Blocking: k goes in blocks of KC (a panel block is 16 KB, staying in L1 while every row
 // block passes over it), rows in blocks of MC (x's block of MC x K floats stays in L2 while
-// the thread's panels pass over it), each cut into as few blocks of at most MR rows as fit,
+// a chunk of panels passes over it), each cut into as few blocks of at most MR rows as fit,
 // of even sizes; a block of x rows times a chunk of panels is a work item, and the intra-op
 // threads take the items in turn (parallel_dynamic in threads.h), not in fixed shares.
 //

@@ -59,9 +59,8 @@ constexpr int64_t kXBlockFloats = 65536;  // x rows per block: about 256 KB of t
 // few rows the weight streams faster than the kernel uses it and the hardware prefetcher
 // keeps up (asking cost 1-2 rows ~10%), with more it gained ~8% at 8-16 rows (Zen 3).
 constexpr int64_t kPrefetchRows = 8;
-// Chunks of panels per intra-op thread. With a fixed split of one range per thread, a thread
-// the OS takes off its core (the service's other processes streaming tokens, on a 2-core
-// machine) held up its whole share; with chunks taken in turn, only the one it is on.
+// Chunks of panels per intra-op thread when x is one block of rows (decode): a thread taken
+// off its core holds up one chunk, not its share (parallel_dynamic).
 constexpr int64_t kChunksPerThread = 4;
 
 struct Problem {

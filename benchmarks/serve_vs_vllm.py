@@ -68,11 +68,11 @@ def export_hf(gguf: Path, out: Path) -> Path:
     return out
 
 
-def scrape(port: int) -> dict[str, float]:
+def scrape(address: str) -> dict[str, float]:
     """A Prometheus endpoint's samples, summed over label sets by metric name (and by
     ``name:failed`` over those labelled ``outcome="failed"``), and each sample by its line's
     name with its labels."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -126,32 +126,20 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
     from splitserve.cluster import Cluster
 
     disagg = label.startswith("disagg")
-    base = free_port()  # metrics: gateway base, workers base + 1 …
-    while any(not _port_free(base + i) for i in range(1, 3)):
-        base = free_port()
     cluster = Cluster(str(model), num_prefill=1 if disagg else 0, num_decode=1, threads=1 if disagg else 2,
-                      metrics_port=base, http_port=0, log_dir=str(out_dir / f"logs-{label}"),
+                      metrics_port=0, http_port=0, log_dir=str(out_dir / f"logs-{label}"),
                       worker_flags=["--kv-cache-bytes", f"{kv_cache_gib()}GiB"],
                       gateway_flags=["--local-prefill-max-tokens", "0"] if label == "disagg-forced" else [])
     with cluster:
         http = f"http://{cluster.addresses['http']}"
         wait_http(f"{http}/v1/models")
         name = json.loads(urllib.request.urlopen(f"{http}/v1/models").read())["data"][0]["id"]
-        decode_port = base + (2 if disagg else 1)
-        before = {"gateway": scrape(base), "decode": scrape(decode_port)}
+        metrics = {"gateway": cluster.metrics_addresses["gateway"], "decode": cluster.metrics_addresses["decode-0"]}
+        before = {name: scrape(address) for name, address in metrics.items()}
         runs = [bench_serve(args.vllm_python, http, name, hf, args.num_requests, args.concurrency, out_dir, label),
                 bench_serve(args.vllm_python, http, name, hf, args.itl_requests, 1, out_dir, label)]
-        after = {"gateway": scrape(base), "decode": scrape(decode_port)}
+        after = {name: scrape(address) for name, address in metrics.items()}
     return {"config": label, "runs": runs, "counters": _counter_deltas(before, after)}
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _counter_deltas(before: dict, after: dict) -> dict[str, float]:

@@ -14,6 +14,7 @@ from gateway.service import GatewayService
 from gateway.validation import Limits
 from plumbing import rpc
 from plumbing.config import GatewayConfig
+from plumbing.discovery import join_host_port
 from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
 from plumbing.grammar_metrics import register_grammar_metrics
 from plumbing.metrics import GatewayMetrics, serve_metrics
@@ -67,7 +68,9 @@ async def serve_gateway(config: GatewayConfig) -> None:
              metrics_port=metrics_port, model=model_name, max_model_len=limits.max_model_len,
              max_prompt_bytes=limits.max_prompt_bytes, incarnation=registry.incarnation, **security.describe())
     if config.server.ready_file:
-        write_ready_file(config.server.ready_file, [address, internal, *([health_address] if health_address else [])])
+        write_ready_file(config.server.ready_file, {
+            "public": address, "internal": internal, "health": health_address,
+            "metrics": None if metrics_port is None else join_host_port(host, metrics_port)})
     await rpc.wait_for_signal()
     ready.cancel()
     log.info("gateway.draining", in_flight=service.num_in_flight, grace_s=config.server.drain_grace_s)

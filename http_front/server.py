@@ -68,7 +68,7 @@ async def serve_http(config: HttpConfig) -> None:
                                            timeout_graceful_shutdown=30))
     log.info("http.listening", address=address, gateway=config.gateway)
     if config.ready_file:
-        write_ready_file(config.ready_file, [address])
+        write_ready_file(config.ready_file, {"public": address})
     try:
         await server.serve(sockets=[sock])
     finally:

@@ -21,7 +21,7 @@ from plumbing import rpc
 from plumbing.config import WorkerConfig
 from plumbing.convert import kv_layout_to_proto
 from plumbing.identity import mint_id
-from plumbing.discovery import parse_source
+from plumbing.discovery import join_host_port, parse_source
 from plumbing.kv_event_sender import KVEventSender, KVEventTee
 from plumbing.logs import adopt_library_loggers, install_loop_exception_handler
 from plumbing.grammar_metrics import register_grammar_metrics
@@ -230,7 +230,9 @@ async def serve_worker(
              metrics_port=metrics_port, kv_blocks=engine.kv.num_blocks, engine_load_s=round(load_s, 3),
              **worker.security.describe())
     if config.server.ready_file:
-        write_ready_file(config.server.ready_file, [public, *([health_address] if health_address else [])])
+        write_ready_file(config.server.ready_file, {
+            "public": public, "health": health_address,
+            "metrics": None if metrics_port is None else join_host_port(config.server.host, metrics_port)})
     await rpc.wait_for_signal()
     log.info("worker.draining", role=worker.role_name, grace_s=config.server.drain_grace_s)
     worker.registration.state = common_pb2.WORKER_STATE_DRAINING

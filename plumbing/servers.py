@@ -123,10 +123,15 @@ class Servers:
             await self.surfaces[HEALTH].server.stop(0)
 
 
-def write_ready_file(path: str, addresses: list[str]) -> None:
-    """``addresses``, one a line, written whole (renamed into place): a reader never sees
-    half of it. The gateway writes its public address, its internal one, then its health
-    port's when it has one; a worker its address, then its health port's."""
+def write_ready_file(path: str, surfaces: dict[str, str | None]) -> None:
+    """One ``surface host:port`` line for each surface that listens (``public``, ``internal``,
+    ``health``, ``metrics``; None: not served), written whole (renamed into place): a reader
+    never sees half of it. ``read_ready_file`` reads it back."""
     tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text("\n".join(addresses))
+    tmp.write_text("\n".join(f"{name} {address}" for name, address in surfaces.items() if address))
     tmp.replace(path)
+
+
+def read_ready_file(text: str) -> dict[str, str]:
+    """A ready file's text as {surface: host:port}."""
+    return dict(line.split(" ", 1) for line in text.splitlines() if line)

@@ -309,7 +309,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     cfg.add_flag(up, "--model", default=default_model(), help="checkpoint directory or .gguf file")
     cfg.add_flag(up, "--threads", type=int, default=1, help="torch threads per worker")
     cfg.add_flag(up, "--metrics-port", type=int, default=-1,
-                 help="gateway metrics port; workers use the following ports (-1 off)")
+                 help="gateway metrics port; workers use the following ports (0: each a free one, "
+                      "logged in up.ready; -1 off)")
     cfg.add_flag(up, "--log-level", default="info", help="debug|info|warning|error")
     cfg.add_flag(up, "--local-prefill-max-tokens", type=int, default=32,
                  help="gateway: prompts shorter than this prefill on the decode worker (0: never)")

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import structlog
 
+from plumbing.discovery import join_host_port
 from plumbing.logs import configure_logging
+from plumbing.servers import read_ready_file
 from plumbing.tls import TlsConfig
 from splitserve.certs import Bundle, write_bundle
 from splitserve.client import ClientAuth
@@ -54,22 +56,19 @@ def free_ports(hosts: list[str], avoid: int) -> list[int]:
             s.close()
 
 
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def service_command(role: str, flags: list[str]) -> list[str]:
     return [sys.executable, "-m", "splitserve.cli", role, *flags]
 
 
-def wait_ready(path: Path, proc: subprocess.Popen[bytes], timeout_s: float | None = None) -> str:
-    """Wait until a service wrote its address to ``path``, for as long as it makes progress
-    (splitserve/progress.py) and, where ``timeout_s`` is given, no longer; raise if it exits first."""
+def wait_ready(path: Path, proc: subprocess.Popen[bytes], timeout_s: float | None = None) -> dict[str, str]:
+    """Wait until a service wrote its ready file at ``path``, for as long as it makes progress
+    (splitserve/progress.py) and, where ``timeout_s`` is given, no longer; raise if it exits
+    first. Its addresses by surface (``public``, ``internal``, ``health``, ``metrics``)."""
     watch = ProgressWatch({proc.args[3]: proc})
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while deadline is None or time.monotonic() < deadline:
         if path.exists() and path.read_text():
-            return path.read_text().strip()
+            return read_ready_file(path.read_text())
         watch.check()
         time.sleep(0.05)
     raise TimeoutError(f"{proc.args[3]} not ready after {timeout_s} s")
@@ -97,7 +96,10 @@ class Cluster:
         self.worker_flags = worker_flags or []
         self.prefill_flags = prefill_flags or []
         self.decode_flags = decode_flags or []
+        # /metrics: -1 none; 0 every service on a free port of its own; N: the first gateway on N,
+        # then the workers (prefill, then decode) on N + 1, ...; where each listens: metrics_addresses.
         self.metrics_port = metrics_port
+        self.metrics_addresses: dict[str, str] = {}
         self.log_dir = Path(log_dir) if log_dir else None
         self.log_level = log_level
         self.http_port = http_port  # None: no HTTP front; 0: a free port (addresses["http"])
@@ -150,12 +152,26 @@ class Cluster:
         return [*flags, *self._security_flags(), *self.gateway_flags]
 
     def _ready(self, name: str, proc: subprocess.Popen[bytes], ready: Path, timeout_s: float | None) -> str:
-        """Wait for ``name``'s ready file; record its address (the gateway's internal one too)."""
-        lines = wait_ready(ready, proc, timeout_s).splitlines()
-        self.addresses[name] = lines[0]
+        """Wait for ``name``'s ready file; record its address (the gateway's internal one too)
+        and its /metrics one. A service that exits first: the error carries its log's end."""
+        try:
+            surfaces = wait_ready(ready, proc, timeout_s)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; its log ends:\n{self._log_tail(name)}") from exc
+        self.addresses[name] = surfaces["public"]
         if name in self.gateway_names:
-            self.addresses[f"{name}-internal"] = lines[1]
-        return lines[0]
+            self.addresses[f"{name}-internal"] = surfaces["internal"]
+        if "metrics" in surfaces:
+            self.metrics_addresses[name] = surfaces["metrics"]
+        return surfaces["public"]
+
+    def _log_tail(self, name: str, lines: int = 20) -> str:
+        if self.log_dir is None:
+            return "(no log_dir: its output went to this process's own)"
+        try:
+            return "\n".join((self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"(unreadable: {exc})"
 
     @property
     def gateway_addresses(self) -> list[str]:
@@ -177,10 +193,11 @@ class Cluster:
         return proc, ready
 
     def _metrics(self, offset: int) -> list[str]:
-        """The metrics port ``offset`` after ``metrics_port``; ephemeral for offset -1."""
+        """The metrics port ``offset`` after ``metrics_port``; a free one for offset -1 or
+        ``metrics_port`` 0."""
         if self.metrics_port < 0:
             return []
-        return ["--metrics-port", str(self.metrics_port + offset if offset >= 0 else 0)]
+        return ["--metrics-port", str(self.metrics_port + offset if offset >= 0 and self.metrics_port else 0)]
 
     def start(self, timeout_s: float | None = None) -> str:
         """Start everything; return the gateway address once every worker registered with every
@@ -192,7 +209,7 @@ class Cluster:
                     for i, n in enumerate(self.gateway_names)]
         waiting = []
         if early:  # the workers load their model while the gateways start; they register once those listen
-            waiting = self._spawn_workers(",".join(host_port(h, p) for h, p in zip(self.gateway_hosts, internal)))
+            waiting = self._spawn_workers(",".join(join_host_port(h, p) for h, p in zip(self.gateway_hosts, internal)))
         for name, proc, ready in gateways:
             self._ready(name, proc, ready, timeout_s)
         if not early:
@@ -335,7 +352,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     tls_flag = f" --tls-ca {bundle.ca}" if bundle else ""
     log.info("up.ready", gateway=address, gateways=cluster.gateway_addresses,
              gateways_internal=[cluster.addresses[f"{n}-internal"] for n in cluster.gateway_names],
-             http=cluster.addresses.get("http"), num_prefill=args.num_prefill, num_decode=args.num_decode,
+             http=cluster.addresses.get("http"), metrics=cluster.metrics_addresses or None,
+             num_prefill=args.num_prefill, num_decode=args.num_decode,
              tls_ca=str(bundle.ca) if bundle else None,
              hint=f"splitserve generate --gateway {address}{tls_flag} 'def fibonacci(n):'")
     while not stopping:

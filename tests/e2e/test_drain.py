@@ -141,7 +141,8 @@ def test_a_kubelet_sees_not_serving_through_the_grace_and_the_stream_finishes(tm
         stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))  # noqa: SIM115 - owned by the child
     stop_beats = threading.Event()
     try:
-        public, internal, health = wait_ready(tmp_path / "ready", proc, 120).splitlines()
+        ready = wait_ready(tmp_path / "ready", proc, 120)
+        public, internal, health = ready["public"], ready["internal"], ready["health"]
         threading.Thread(target=_register, args=(internal, fake_address, stop_beats), daemon=True).start()
         deadline = time.monotonic() + 30
         while _probe(health) != "SERVING":

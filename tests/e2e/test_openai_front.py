@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -35,12 +34,6 @@ CHATS = [[("user", "Write a function that adds two numbers.")],
          [("system", "You write Python."), ("user", "Read a file.")]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def receiver() -> Receiver:
     with Receiver() as r:
@@ -59,8 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Clu
             mp.setenv(key, value)
         logs = tmp_path_factory.mktemp("logs-openai")
         with Cluster(str(model), num_prefill=1, num_decode=1, log_dir=str(logs), http_port=0,
-                     metrics_port=free_port(), gateway_flags=["--local-prefill-max-tokens", "0"]) as c:
-            c.metrics_base = c.metrics_port  # gateway, prefill-0, decode-0 at +0, +1, +2
+                     metrics_port=0, gateway_flags=["--local-prefill-max-tokens", "0"]) as c:
             yield c
 
 
@@ -156,24 +148,25 @@ def metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+def scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
         return reply.read().decode()
 
 
 def test_disconnect_mid_stream_cancels_both_legs_and_frees_every_block(client: openai.OpenAI,
                                                                       cluster: Cluster) -> None:
     cancelled = 'splitserve_requests_total{model="target",outcome="cancelled"}'
-    before = metric(scrape(cluster.metrics_base), cancelled)
+    gateway = cluster.metrics_addresses["gateway"]
+    before = metric(scrape(gateway), cancelled)
     stream = client.completions.create(model="target", prompt=PROMPTS[0] * 10, max_tokens=400, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     received = [next(stream) for _ in range(3)]
     assert all(c.choices[0].finish_reason is None for c in received)
     stream.close()  # the client goes away mid-stream
     deadline = time.monotonic() + 10
-    while metric(scrape(cluster.metrics_base), cancelled) == before and time.monotonic() < deadline:
+    while metric(scrape(gateway), cancelled) == before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert metric(scrape(cluster.metrics_base), cancelled) == before + 1  # cancelled, not run to its end
+    assert metric(scrape(gateway), cancelled) == before + 1  # cancelled, not run to its end
     stats = wait_all_free(cluster.addresses["gateway"], within_s=10)
     assert len(stats) == 2
     for load in stats.values():
@@ -248,9 +241,9 @@ def test_the_clients_request_id_is_echoed_and_in_every_services_log(client: open
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make setup installs it)")
 def test_promtool_finds_every_services_metrics_clean(client: openai.OpenAI, cluster: Cluster) -> None:
     client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=2, temperature=0)
-    base = cluster.metrics_base
-    texts = {"gateway": scrape(base), "prefill-0": scrape(base + 1), "decode-0": scrape(base + 2),
-             "http": scrape(int(cluster.addresses["http"].rsplit(":", 1)[1]))}
+    texts = {name: scrape(address) for name, address in cluster.metrics_addresses.items()}
+    assert sorted(texts) == ["decode-0", "gateway", "prefill-0"]
+    texts["http"] = scrape(cluster.addresses["http"])
     for name, text in texts.items():
         checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
                                  timeout=30)

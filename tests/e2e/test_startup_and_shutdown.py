@@ -62,7 +62,7 @@ def test_a_prefill_worker_with_a_channel_still_opening_exits_within_its_grace(tm
     proc = _service("prefill", ["--model", MODEL, "--gateway", "127.0.0.1:1", "--threads", "1",
                                 "--kv-channel-timeout-s", "600", "--drain-timeout-s", "1"], tmp_path / "ready")
     try:
-        address = wait_ready(tmp_path / "ready", proc, 120)
+        address = wait_ready(tmp_path / "ready", proc, 120)["public"]
         target = prefill_pb2.DecodeTarget(worker_id=1, address=f"127.0.0.1:{port}", transfer_id=5, num_blocks=3,
                                           incarnation=7, transfer_secret=bytes(range(16)))
         request = prefill_pb2.PrefillRequest(request_id=9, prompt_token_ids=list(range(5, 45)),
@@ -103,7 +103,8 @@ def test_a_started_gateway_is_not_serving_until_a_decode_worker_registered(tmp_p
     proc = _service("gateway", ["--model", MODEL, "--port", "0", "--internal-port", "0", "--startup-grace-s", "600"],
                     tmp_path / "ready")
     try:
-        address, internal = wait_ready(tmp_path / "ready", proc, 120).splitlines()
+        ready = wait_ready(tmp_path / "ready", proc, 120)
+        address, internal = ready["public"], ready["internal"]
         assert _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
         with grpc.insecure_channel(internal) as channel:  # the registry is on the internal port
             registry = gateway_pb2_grpc.WorkerRegistryStub(channel)

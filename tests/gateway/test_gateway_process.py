@@ -15,6 +15,7 @@ import asyncio, json, os, signal, sys
 from pathlib import Path
 from plumbing.config import GatewayConfig, ServerConfig
 from gateway.server import serve_gateway
+from plumbing.servers import read_ready_file
 
 def rss_kib():
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -29,7 +30,7 @@ async def main(ready):
             task.result()
         await asyncio.sleep(0.05)
     print(json.dumps({"torch": "torch" in sys.modules, "triton": "triton" in sys.modules,
-                      "rss_kib": rss_kib(), "address": Path(ready).read_text()}), flush=True)
+                      "rss_kib": rss_kib(), "address": read_ready_file(Path(ready).read_text())["public"]}), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)  # the real shutdown path: drain, then return
     await asyncio.wait_for(task, 30)
 

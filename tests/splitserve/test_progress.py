@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from plumbing.servers import read_ready_file, write_ready_file
 from splitserve import cli, progress
 from splitserve.client import wait_for_up
-from splitserve.cluster import wait_ready
+from splitserve.cluster import Cluster, wait_ready
 from splitserve.progress import ProgressWatch, write_status
 
 
@@ -99,3 +100,20 @@ def test_generate_reports_a_failed_up_and_exits_1(tmp_path: Path, capsys) -> Non
     write_status(status, "failed", error="gateway exited with code 2 before it was ready")
     assert cli.main(["generate", "--wait-for-up", status, "--gateway", "127.0.0.1:1", "hello"]) == 1
     assert "failed before it was ready: gateway exited with code 2" in capsys.readouterr().err
+
+
+def test_a_ready_file_names_each_surface_and_leaves_out_those_not_served(tmp_path: Path) -> None:
+    path = tmp_path / "ready"
+    write_ready_file(str(path), {"public": "127.0.0.1:5", "internal": "127.0.0.1:6", "health": None,
+                                 "metrics": "[::1]:7"})
+    assert read_ready_file(path.read_text()) == {"public": "127.0.0.1:5", "internal": "127.0.0.1:6",
+                                                 "metrics": "[::1]:7"}
+    assert not (tmp_path / "ready.tmp").exists()
+
+
+def test_a_service_that_exits_before_it_is_ready_fails_the_start_with_its_log_end(tmp_path: Path) -> None:
+    cluster = Cluster("unused", log_dir=str(tmp_path))
+    proc, ready = cluster._spawn("decode-0", "no-such-role", [])  # the CLI refuses it and exits 2
+    with pytest.raises(RuntimeError, match=r"(?s)no-such-role exited with code 2 before it was ready; "
+                                           r"its log ends:\n.*invalid choice: 'no-such-role'"):
+        cluster._ready("decode-0", proc, ready, 60)

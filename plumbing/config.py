@@ -66,7 +66,7 @@ class ServerConfig:
     advertise_host: str | None = None  # what peers dial; default: host
     metrics_port: int = -1  # -1: no /metrics endpoint; 0: ephemeral
     health_port: int = -1  # plaintext grpc.health.v1 only (kubelet probes); -1: none
-    ready_file: str | None = None  # write "host:port" lines here once serving (plumbing/servers.py)
+    ready_file: str | None = None  # "surface host:port" lines, written once serving (plumbing/servers.py)
     log_level: str = "info"
     # On SIGTERM: NOT_SERVING while still serving for drain_grace_s, then refuse new calls
     # and give in-flight ones drain_timeout_s to finish.
@@ -190,7 +190,8 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     add_flag(p, "--advertise-host", default=None, help="host peers dial (default: --host)")
     add_flag(p, "--metrics-port", type=int, default=-1, help="Prometheus port (-1 off, 0 ephemeral)")
     add_flag(p, "--ready-file", default=None,
-             help="write host:port here once serving (the gateway: public, internal; then health)")
+             help="once serving, write a 'surface host:port' line here for each surface that listens "
+                  "(public, internal, health, metrics)")
     add_flag(p, "--log-level", default="info", help="debug|info|warning|error")
     add_flag(p, "--health-port", type=int, default=-1,
              help="plaintext grpc.health.v1-only port for kubelet probes (-1 off, 0 ephemeral)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from plumbing.rpc import channel_options
+from plumbing.servers import read_ready_file
 from splitserve.cluster import Cluster
 from splitserve_api.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 
@@ -73,7 +74,7 @@ class ChaosCluster(Cluster):
                 raise TimeoutError(f"{name} not ready after {timeout_s} s")
             await asyncio.sleep(0.01)
         self.expected_exit.discard(name)
-        address = ready.read_text().splitlines()[0]
+        address = read_ready_file(ready.read_text())["public"]
         if address != self.addresses[name]:
             raise RuntimeError(f"{name} came back on {address}, not {self.addresses[name]}")
         return time.monotonic()

@@ -1,13 +1,19 @@
-"""Linear layers: the native panel GEMM (AVX2), prepacked oneDNN GEMMs and the native GEMV.
+"""Linear layers: the native panel GEMM, prepacked oneDNN GEMMs and the native GEMV.
 
-Where the AVX2 native library is loaded, a float32 layer runs ``panel_linear``
-(kernels/csrc/panel_gemm.cpp) at every row count: its weight is copied once, at the first
-call, into column panels read front to back by a register-blocked kernel. On an AMD EPYC Zen 3
-(2 cores, AVX2) the default model's 120 projections and LM head took, against the paths
-below, 17.2 ms against the GEMV's 18.8 at 1 row, 35 against oneDNN's 48 at 16 rows, 102
-against 127 at 64, and 3.1 s against 3.5 s at 2048 (weights from memory as in a step). The
-AVX-512 library has the same kernel (12 rows x 32 columns per block) but keeps the paths
-below until it is measured on an AVX-512 machine (``PANEL_VARIANTS``).
+A float32 layer runs ``panel_linear`` (kernels/csrc/panel_gemm.cpp) on inputs of fewer rows
+than :func:`panel_rows`: its weight is copied once, at the first such call, into column panels
+read front to back by a register-blocked kernel.
+
+* The AVX2 library: at every row count. On an AMD EPYC Zen 3 (2 cores, AVX2) the default
+  model's 120 projections and LM head took, against the paths below, 17.2 ms against the
+  GEMV's 18.8 at 1 row, 35 against oneDNN's 48 at 16 rows, 102 against 127 at 64, and 3.1 s
+  against 3.5 s at 2048 (weights from memory as in a step).
+* The AVX-512 library (12 rows x 32 columns per block): below 16 rows. On an AMD EPYC Zen 4
+  (2 cores, AVX-512 executed as two 256-bit halves), the same layers took 13.1 ms against the
+  GEMV's 19.9 at 1 row and 13.1 against oneDNN's 17.7 at 4, about 21 against 22.8 at 8; from
+  16 rows on oneDNN's AVX-512 GEMM is as fast or faster (30.7 against 34.8 at 16, 99 against
+  100 at 64, 345 against 387 at 256), so it serves those. Such a layer keeps three copies of
+  its weight (plain, panels, oneDNN's).
 
 Otherwise:
 
@@ -17,7 +23,8 @@ arithmetic (a quarter of a batch-64 decode step on the bench model, measured). H
 weight is reordered into oneDNN's layout once, at its first packed call, and each call runs
 oneDNN's GEMM on it (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for prepacked linears).
 
-A float32 input of fewer rows than :func:`min_packed_rows` (a small decode batch) is a GEMV
+Without a panel route (``prepack=False``: both native libraries have one), a float32 input of
+fewer rows than :func:`min_packed_rows` (a small decode batch) is a GEMV
 bound by reading the weight once: the native ``dense_gemv`` (kernels/csrc/dense_gemv.cpp)
 splits the weight rows over the intra-op threads and streams them at close to the memory's
 bandwidth. Measured on the default model's 120 projections, 2 cores (AMD Zen 5): at 1 row
@@ -28,13 +35,15 @@ at 16 rows oneDNN catches up and from 32 on wins (AVX-512: from 4 rows on).
 Where neither pays, the plain ``F.linear`` runs: float16, CUDA tensors, builds without
 oneDNN or the native kernels, and bfloat16 on a CPU where oneDNN has no bfloat16 path (AVX2
 only: :func:`onednn_has_bf16`). A float32 layer therefore keeps two copies of its weight
-(the plain one and its panels or oneDNN's packing: twice the weight memory); a packed
+(the plain one and its panels or oneDNN's packing: twice the weight memory; three on AVX-512,
+where a layer has both); a packed
 bfloat16 layer keeps only the packed one.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import structlog
 import torch
@@ -42,8 +51,9 @@ import torch.nn.functional as F
 
 from splitserve_kernels.native import native_kernels
 
-# Native libraries whose panel GEMM serves every float32 row count (module docstring).
-PANEL_VARIANTS = frozenset({"avx2"})
+# float32 rows below which the panel GEMM serves, per native library (module docstring); a
+# library not named here has no panel route.
+PANEL_ROWS: dict[str, float] = {"avx2": math.inf, "avx512": 16}
 # float32 rows from which oneDNN's packed GEMM serves, per native library (module docstring).
 MIN_PACKED_ROWS = {"avx512": 4, "avx2": 16}
 MIN_PACKED_ROWS_WITHOUT_GEMV = 4  # no native GEMV: F.linear below (MKL, 0.77x of oneDNN at 1-3 rows)
@@ -60,9 +70,14 @@ def native_gemv() -> bool:
     return native_kernels().available
 
 
+def panel_rows() -> float:
+    """float32 inputs of fewer rows than this run the native panel GEMM (0: none)."""
+    return PANEL_ROWS.get(native_kernels().variant or "", 0)
+
+
 def panel_gemm() -> bool:
-    """Whether float32 layers run the native panel GEMM (module docstring)."""
-    return native_kernels().variant in PANEL_VARIANTS
+    """Whether float32 layers run the native panel GEMM at some row counts (module docstring)."""
+    return panel_rows() > 0
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -101,14 +116,14 @@ class Linear:
         self.panels: torch.Tensor | None = None  # set by the first panel call
         self.weight: torch.Tensor | None = weight
         float32_cpu = weight.dtype == torch.float32 and weight.device.type == "cpu"
-        self.use_panels = prepack and float32_cpu and panel_gemm()  # every row count, then
-        self.packable = prepack and can_prepack(weight) and not self.use_panels
-        self.gemv = float32_cpu and native_gemv() and not self.use_panels  # below min_packed_rows
+        self.panel_rows = panel_rows() if prepack and float32_cpu else 0  # fewer rows: panels
+        self.packable = prepack and can_prepack(weight) and self.panel_rows < math.inf
+        self.gemv = float32_cpu and native_gemv() and self.panel_rows == 0  # below min_packed_rows
         self.min_packed_rows = min_packed_rows() if float32_cpu else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         rows = x.shape[0]
-        if self.use_panels and x.dim() == 2 and x.dtype == torch.float32:
+        if rows < self.panel_rows and x.dim() == 2 and x.dtype == torch.float32:
             x = x if x.stride(-1) == 1 else x.contiguous()
             return torch.ops.splitserve.panel_linear(x, self.packed_panels(), self.out_features, self.bias)
         if self.packable and rows >= self.min_packed_rows:
@@ -118,7 +133,7 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def packed_panels(self) -> torch.Tensor:
-        """The weight in the panel GEMM's layout (``use_panels``), copied at the first call."""
+        """The weight in the panel GEMM's layout (``panel_rows``), copied at the first call."""
         if self.panels is None:
             self.panels = torch.ops.splitserve.pack_panels(self.weight)
         return self.panels

@@ -11,7 +11,9 @@ cast, the same rotate-half RoPE; kernels/splitserve_kernels/elementwise.py), so 
 (kernels/csrc/elementwise.cpp) and the residual stream is updated in place; where every op
 of a layer is native (float32 panel linears, no q/k norms, a float32 or int8 cache), the whole layer
 is one call, ``splitserve::decoder_layer`` (kernels/csrc/decoder_layer.cpp): the same ops in
-the same order, without the Python and the dispatcher between them.
+the same order, without the Python and the dispatcher between them. That holds for forwards of
+fewer tokens than the panel GEMM serves (every count on AVX2; below 16 on AVX-512, where
+oneDNN serves more rows: engine/models/linear.py).
 """
 
 from __future__ import annotations
@@ -85,12 +87,13 @@ class LlamaModel:
         self.scale = spec.head_dim**-0.5
         self._load(weights)
         # Every op of a layer native on float32: the layer in one call (module docstring).
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.fused_layers = (
             device.type == "cpu" and native_kernels().available and self.dtype == torch.float32
-            and not spec.qk_norm
-            and all(isinstance(lin, Linear) and lin.use_panels
-                    for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            and not spec.qk_norm and all(isinstance(lin, Linear) and lin.panel_rows > 0 for lin in linears)
         )
+        # Forwards of fewer tokens than this take the fused route (where the panel GEMM serves them).
+        self.fused_rows = min(lin.panel_rows for lin in linears) if self.fused_layers else 0
         inv_freq, attn_scaling = rope_inv_freq(hf_config)
         self._build_rope_cache(inv_freq, attn_scaling, max_model_len)
 
@@ -198,7 +201,7 @@ class LlamaModel:
         """Every decoder layer: the residual stream and the last layer's MLP output, not yet
         added to it (each layer adds its predecessor's in its first norm)."""
         mlp_out = None
-        fused = self.fused_layers and kv_cache.dtype in (torch.float32, torch.int8)
+        fused = self.fused_layers and x.shape[0] < self.fused_rows and kv_cache.dtype in (torch.float32, torch.int8)
         layer_fn = self._fused_layer if fused else self._layer
         for i, layer in enumerate(self.layers):
             mlp_out = layer_fn(layer, x, mlp_out, cos, sin, kv_cache[i, 0], kv_cache[i, 1], kv)

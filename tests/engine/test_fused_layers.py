@@ -3,6 +3,7 @@ it replaces (``LlamaModel._layer``): the same logits and the same KV cache, bit 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,16 +12,27 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.model_runner import SeqSlice, make_forward_batch
+from engine.models import linear
 from engine.models.linear import panel_gemm
 
 BLOCK = 16
 
-needs_panels = pytest.mark.skipif(not panel_gemm(), reason="fused layers need the panel GEMM (the AVX2 library)")
+needs_panels = pytest.mark.skipif(not panel_gemm(), reason="fused layers need the panel GEMM (a native library)")
+
+
+def _panels_everywhere(model: object) -> None:
+    """Both routes on the panel GEMM at every row count (the AVX-512 library hands 16 rows and
+    more to oneDNN, and the fused route to the Python one), so that they are compared bit for bit."""
+    for layer in model.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            lin.panel_rows = math.inf
+    model.fused_rows = math.inf
 
 
 def _runner(path: Path, fused: bool, **config: object) -> object:
     runner = Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=BLOCK, **config)).runner
     assert runner.model.fused_layers, "every op of these layers is native: the fused route applies"
+    _panels_everywhere(runner.model)
     runner.model.fused_layers = fused
     return runner
 
@@ -69,6 +81,7 @@ def test_greedy_generation_is_the_same(ckpt_dir: Callable[..., Path]) -> None:
     outputs = []
     for fused in (True, False):
         engine = Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=BLOCK))
+        _panels_everywhere(engine.runner.model)
         engine.runner.model.fused_layers = fused
         outputs.append([o.token_ids for o in engine.generate(prompts, params)])
     assert outputs[0] == outputs[1]
@@ -80,3 +93,19 @@ def test_layers_it_cannot_serve_keep_the_python_route(ckpt_dir: Callable[..., Pa
     assert not Engine(EngineConfig(model=str(ckpt_dir("qwen3")), num_kv_blocks=8)).runner.model.fused_layers
     int8 = EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, quantization="int8")
     assert not Engine(int8).runner.model.fused_layers
+
+
+@needs_panels
+def test_a_forward_of_more_rows_than_the_panels_serve_takes_the_python_route(
+        ckpt_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=64, block_size=BLOCK)).runner
+    assert runner.model.fused_rows == linear.panel_rows()
+    runner.model.fused_rows = 16  # the AVX-512 library's limit, on any library
+    calls: list[int] = []
+    real = torch.ops.splitserve.decoder_layer
+    monkeypatch.setattr(torch.ops.splitserve, "decoder_layer", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    with torch.inference_mode():
+        runner.model.forward_sequence(list(range(5, 21)), 0, [7, 2], runner.kv_cache)  # 16 tokens: Python
+        assert calls == []
+        runner.model.forward_sequence(list(range(21, 36)), 16, [7, 2], runner.kv_cache)  # 15 tokens: fused
+    assert calls == [15] * len(runner.model.layers)

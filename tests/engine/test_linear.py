@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,8 +27,9 @@ def test_float32_matches_f_linear(rows, with_bias, monkeypatch) -> None:
     bias = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 80, generator=gen)
     layer = Linear(weight, bias)
-    panels = linear.panel_gemm()
-    assert layer.use_panels == panels and layer.packable == (not panels)
+    limit = linear.panel_rows()  # AVX2: every row count; AVX-512: below 16; no library: none
+    panels = rows < limit
+    assert layer.panel_rows == limit and layer.packable == (limit < math.inf)
     assert layer.packed is None and layer.panels is None  # packed at the first call that needs it
     calls: dict[str, int] = {"packed": 0, "gemv": 0, "panels": 0}
     for namespace, name, key in ((torch.ops.mkldnn, "_linear_pointwise", "packed"),
@@ -37,7 +40,7 @@ def test_float32_matches_f_linear(rows, with_bias, monkeypatch) -> None:
             monkeypatch.setattr(namespace, name, lambda *a, real=real, key=key: calls.__setitem__(key, 1) or real(*a),
                                 raising=False)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
-    packed = not panels and rows >= linear.min_packed_rows()
+    packed = not panels and layer.packable and rows >= linear.min_packed_rows()
     gemv = not panels and not packed and native_kernels().available
     assert calls == {"packed": int(packed), "gemv": int(gemv), "panels": int(panels)}
     assert (layer.packed is not None) == packed and (layer.panels is not None) == panels

@@ -100,6 +100,8 @@ def test_kill_9_of_a_decode_worker_mid_stream(cluster: Cluster) -> None:
         running: dict[str, int] = {}
         deadline = time.monotonic() + deadline_s
         while not any(running.values()) and time.monotonic() < deadline:
+            if running:
+                time.sleep(0.02)  # none running yet: ask again shortly, not in a tight loop
             running = {name[a]: s.num_running for a, s in worker_stats(gw).items() if name[a].startswith("decode")}
         victim = max(sorted(running), key=lambda n: running[n])
         survivor = "decode-1" if victim == "decode-0" else "decode-0"

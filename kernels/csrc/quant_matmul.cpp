@@ -302,14 +302,66 @@ inline __m512i q4x8_pair(const uint8_t* blk, const int8_t* qx) {
   return _mm512_madd_epi16(p16, _mm512_set1_epi16(1));
 }
 #endif
-inline int32_t hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
 #endif
 
+// The d and m of kLanes consecutive Q4_1 blocks (blk: the first one's first byte) as floats,
+// lane j block j's. Each block's d and m are its first 4 bytes, so the words 10 j and 10 j + 1
+// of the group. On AVX-512 the group's 320 bytes are 5 vectors, and 3 word permutes and a
+// blend put the 16 d's in the low half of one vector, the m's in its high half (a gather
+// measured slower than the scalar loads it replaces, on Zen 4).
+inline void q4_1_scales(const uint8_t* blk, VF* d, VF* m) {
+#if defined(CPU_CAPABILITY_AVX512)
+  static_assert(kLanes * kBlockBytes[kQ4_1] == 5 * 64, "a group of Q4_1 blocks is 5 vectors");
+  // word permutes: lane j < 16 takes block j's d, lane 16 + j its m (a: index < 32, b: >= 32)
+  alignas(64) static constexpr int16_t kLo[32] = {  // words 0-63 -> blocks 0-6
+      0, 10, 20, 30, 40, 50, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 11, 21, 31, 41, 51, 61, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  alignas(64) static constexpr int16_t kMid[32] = {  // words 64-127 -> blocks 7-12
+      0, 0, 0, 0, 0, 0, 0, 6, 16, 26, 36, 46, 56, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 17, 27, 37, 47, 57, 0, 0, 0};
+  alignas(64) static constexpr int16_t kHi[32] = {  // the two above, then words 128-159 -> blocks 13-15
+      0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 34, 44, 54, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 35, 45, 55};
+  const auto at = [blk](int v) { return _mm512_loadu_si512(blk + 64 * v); };
+  const auto idx = [](const int16_t* i) { return _mm512_load_si512(i); };
+  const __m512i lo = _mm512_permutex2var_epi16(at(0), idx(kLo), at(1));
+  const __m512i mid = _mm512_permutex2var_epi16(at(2), idx(kMid), at(3));
+  const __m512i dm = _mm512_permutex2var_epi16(_mm512_mask_blend_epi16(0x1F801F80u, lo, mid), idx(kHi), at(4));
+  *d = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+  *m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+#elif defined(CPU_CAPABILITY_AVX2)
+  // block j's d | m << 16 is the group's dword 5 j, so lane j of the 8 dwords at byte 16 j:
+  // 8 loads, each blended in at its lane
+  const auto at = [blk](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * j)); };
+  __m256i dm = at(0);
+  dm = _mm256_blend_epi32(dm, at(1), 0x02);
+  dm = _mm256_blend_epi32(dm, at(2), 0x04);
+  dm = _mm256_blend_epi32(dm, at(3), 0x08);
+  dm = _mm256_blend_epi32(dm, at(4), 0x10);
+  dm = _mm256_blend_epi32(dm, at(5), 0x20);
+  dm = _mm256_blend_epi32(dm, at(6), 0x40);
+  dm = _mm256_blend_epi32(dm, at(7), 0x80);
+  // each 128-bit lane: its 4 d's in bytes 0-7, its 4 m's in bytes 8-15; then d's low, m's high
+  const __m256i split = _mm256_shuffle_epi8(
+      dm, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m256i halves = _mm256_permute4x64_epi64(split, 0xD8);  // quads 0, 2, 1, 3
+  *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+  *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+#else
+  alignas(64) uint16_t dh[kLanes], mh[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    std::memcpy(&dh[j], blk + j * kBlockBytes[kQ4_1], 2);
+    std::memcpy(&mh[j], blk + j * kBlockBytes[kQ4_1] + 2, 2);
+  }
+  *d = vhalves(dh);
+  *m = vhalves(mh);
+#endif
+}
+
+// row_tile_x8: the blocks in groups of kLanes, their scales fetched by q4_1_scales; the last
+// blocks of a row (K = 576: 2 of 18) join the same vector accumulator, each scaled per lane,
+// and one reduction ends the row. The default model's 120 Q4_1 projections, one thread, Zen 4,
+// 4 runs each alternated: AVX-512 6.7-7.0 ms before (scales loaded one by one, the last
+// blocks reduced one by one), 5.8-6.2 with q4_1_scales, 5.4-5.9 with both; AVX2 6.5-6.8
+// before, 5.9-6.3 after.
 template <int NT>
 void row_tile_x8(const X8Problem& p, int64_t n0) {
   constexpr int64_t bb = kBlockBytes[kQ4_1];
@@ -320,13 +372,10 @@ void row_tile_x8(const X8Problem& p, int64_t n0) {
     VF acc = vzero(), macc = vzero();
     for (int64_t b0 = 0; b0 < grouped; b0 += kLanes) {
       prefetch_lines_ahead(row + b0 * bb, kLanes * bb);
-      alignas(64) uint16_t dh[kLanes], mh[kLanes];
-      for (int j = 0; j < kLanes; ++j) {
-        std::memcpy(&dh[j], row + (b0 + j) * bb, 2);
-        std::memcpy(&mh[j], row + (b0 + j) * bb + 2, 2);
-      }
-      const VF s = vmul(vhalves(dh), vload(p.dx + b0));  // lane j: d * dx of block b0 + j
-      macc = vfma(vhalves(mh), vload(p.xsum + b0), macc);
+      VF d, m;
+      q4_1_scales(row + b0 * bb, &d, &m);
+      const VF s = vmul(d, vload(p.dx + b0));  // lane j: d * dx of block b0 + j
+      macc = vfma(m, vload(p.xsum + b0), macc);
 #if defined(CPU_CAPABILITY_AVX512)
       for (int j = 0; j < kLanes; j += 2) {  // blocks b0 + j, b0 + j + 1
         const __m512i p32 = q4x8_pair(row + (b0 + j) * bb, p.qx + (b0 + j) * kBlock);
@@ -353,31 +402,33 @@ void row_tile_x8(const X8Problem& p, int64_t n0) {
       }
 #endif
     }
-    float y = vsum(acc) + vsum(macc);
-    for (int64_t b = grouped; b < blocks; ++b) {  // the last blocks, one by one
+    // the last blocks: their integer sums join acc (scaled per lane), their minimums' terms y
+    float y = 0.0f;
+    for (int64_t b = grouped; b < blocks; ++b) {
       const uint8_t* blk = row + b * bb;
-      int32_t isum = 0;
+      const float s0 = half_to_float(blk) * p.dx[b];
+      y += half_to_float(blk + 2) * p.xsum[b];
 #if defined(CPU_CAPABILITY_AVX512)
       if (b + 1 < blocks) {  // a pair (grouped is even): q_x interleaved
-        const __m512i p32 = q4x8_pair(blk, p.qx + b * kBlock);
-        const int32_t isum2 = _mm512_mask_reduce_add_epi32(0xF0F0, p32);
-        y += half_to_float(blk + bb) * p.dx[b + 1] * static_cast<float>(isum2) +
-             half_to_float(blk + bb + 2) * p.xsum[b + 1];
-        isum = _mm512_mask_reduce_add_epi32(0x0F0F, p32);
+        const float s1 = half_to_float(blk + bb) * p.dx[b + 1];
+        y += half_to_float(blk + bb + 2) * p.xsum[b + 1];
+        const __m512 sv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_pair(blk, p.qx + b * kBlock)), sv, acc);
+        ++b;  // its pair's second block is done
       } else {
-        isum = hsum_epi32(q4x8_block(blk + 4, p.qx + b * kBlock));
+        const __m256 dots = _mm256_cvtepi32_ps(q4x8_block(blk + 4, p.qx + b * kBlock));
+        acc = _mm512_fmadd_ps(_mm512_zextps256_ps512(dots), _mm512_set1_ps(s0), acc);
       }
 #elif defined(CPU_CAPABILITY_AVX2)
-      isum = hsum_epi32(q4x8_block(blk + 4, p.qx + b * kBlock));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4x8_block(blk + 4, p.qx + b * kBlock)), _mm256_set1_ps(s0), acc);
 #else
       const int8_t* q = p.qx + b * kBlock;
+      int32_t isum = 0;
       for (int k = 0; k < 16; ++k) isum += (blk[4 + k] & 0x0F) * q[k] + (blk[4 + k] >> 4) * q[k + 16];
-#endif
-      y += half_to_float(blk) * p.dx[b] * static_cast<float>(isum) + half_to_float(blk + 2) * p.xsum[b];
-#if defined(CPU_CAPABILITY_AVX512)
-      if (b + 1 < blocks) ++b;  // its pair's second block is done
+      y += s0 * static_cast<float>(isum);
 #endif
     }
+    y += vsum(vadd(acc, macc));
     out[a] = y;
   }
   for (int a = 0; a < NT; ++a) p.y[n0 + a] = out[a];

@@ -132,6 +132,16 @@ class Linear:
             return torch.ops.splitserve.dense_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def fused_rows(self) -> float:
+        """Forwards of fewer rows than this can run the layer inside ``decoder_layer``
+        (engine/models/llama.py): those the panel GEMM serves."""
+        return self.panel_rows
+
+    def fused_weight(self) -> torch.Tensor:
+        """The weight as ``decoder_layer`` takes it: its column panels."""
+        return self.packed_panels()
+
     def packed_panels(self) -> torch.Tensor:
         """The weight in the panel GEMM's layout (``panel_rows``), copied at the first call."""
         if self.panels is None:

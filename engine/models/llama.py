@@ -9,11 +9,12 @@ The arithmetic mirrors ``transformers`` (float32 RMSNorm, cos/sin built in float
 cast, the same rotate-half RoPE; kernels/splitserve_kernels/elementwise.py), so greedy outputs match
 ``generate`` token for token. On CPU the elementwise parts run as fused native ops
 (kernels/csrc/elementwise.cpp) and the residual stream is updated in place; where every op
-of a layer is native (float32 panel linears, no q/k norms, a float32 or int8 cache), the whole layer
-is one call, ``splitserve::decoder_layer`` (kernels/csrc/decoder_layer.cpp): the same ops in
-the same order, without the Python and the dispatcher between them. That holds for forwards of
-fewer tokens than the panel GEMM serves (every count on AVX2; below 16 on AVX-512, where
-oneDNN serves more rows: engine/models/linear.py).
+of a layer is native (float32 panel linears or GGUF-block ones, no q/k norms, a float32 or int8
+cache), the whole layer is one call, ``splitserve::decoder_layer`` (kernels/csrc/decoder_layer.cpp):
+the same ops in the same order, without the Python and the dispatcher between them. That holds
+for forwards of fewer tokens than every linear serves there: the panel GEMM every count on AVX2,
+below 16 on AVX-512, where oneDNN serves more rows (engine/models/linear.py); GGUF blocks
+(engine/quant/linear.py) every count.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch.nn.functional as F
 from engine.models.linear import Linear
 from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
-from engine.quant.linear import BlockWeight, LinearLayer, WeightQuant, as_dense, cat_rows, linear_factory, lm_head_linear
+from engine.quant.linear import (
+    BlockWeight, GGUFLinear, LinearLayer, WeightQuant, as_dense, cat_rows, linear_factory, lm_head_linear,
+)
 from splitserve_kernels import ops
 from splitserve_kernels.native import native_kernels
 
@@ -90,10 +93,11 @@ class LlamaModel:
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.fused_layers = (
             device.type == "cpu" and native_kernels().available and self.dtype == torch.float32
-            and not spec.qk_norm and all(isinstance(lin, Linear) and lin.panel_rows > 0 for lin in linears)
+            and not spec.qk_norm
+            and all(isinstance(lin, (Linear, GGUFLinear)) and lin.fused_rows > 0 for lin in linears)
         )
-        # Forwards of fewer tokens than this take the fused route (where the panel GEMM serves them).
-        self.fused_rows = min(lin.panel_rows for lin in linears) if self.fused_layers else 0
+        # Forwards of fewer tokens than this take the fused route (where every linear serves them).
+        self.fused_rows = min(lin.fused_rows for lin in linears) if self.fused_layers else 0
         inv_freq, attn_scaling = rope_inv_freq(hf_config)
         self._build_rope_cache(inv_freq, attn_scaling, max_model_len)
 
@@ -264,8 +268,8 @@ class LlamaModel:
         """``_layer`` in one native call (``fused_layers``; the same ops, the same bits)."""
         spec = self.spec
         return torch.ops.splitserve.decoder_layer(
-            x, mlp_out, layer.input_norm, layer.qkv.packed_panels(), layer.qkv.bias, layer.o.packed_panels(),
-            layer.post_norm, layer.gate_up.packed_panels(), layer.down.packed_panels(), cos, sin, k_cache, v_cache,
+            x, mlp_out, layer.input_norm, layer.qkv.fused_weight(), layer.qkv.bias, layer.o.fused_weight(),
+            layer.post_norm, layer.gate_up.fused_weight(), layer.down.fused_weight(), cos, sin, k_cache, v_cache,
             kv.slot_mapping, kv.block_tables, kv.seq_lens, kv.query_start_loc, spec.num_heads, spec.num_kv_heads,
             spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, self.scale,
         )

@@ -22,6 +22,7 @@ interface as the dense one, so the forward does not know which it runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -183,6 +184,12 @@ class GGUFLinear:
         self.native = native_blocks(weight.blocks.device)
         self._dense = None if self.native else weight.dequantize()
         self.nbytes = self.blocks.numel()
+        # ``decoder_layer`` (engine/models/llama.py) runs the native kernel at every row count.
+        self.fused_rows = math.inf if self.native else 0
+
+    def fused_weight(self) -> torch.Tensor:
+        """The weight as ``decoder_layer`` takes it: the blocks, each row Q8_0's or Q4_1's bytes."""
+        return self.blocks
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if self._dense is not None:

@@ -3,10 +3,11 @@
 // order on the same arguments, so its output, the residual stream and the KV cache are the
 // same bits. What it saves is the Python and the dispatcher between those ten calls.
 //
-// It serves the layers whose every op is native: weights in column panels (panel_gemm.cpp),
-// no q/k norms, a float32 or an int8 cache (write_kv.cpp or kv_int8.cpp, paged_attention.cpp).
-// The Python route serves the rest (quantized weights, oneDNN's linears, CUDA) and is the
-// reference the tests compare this with.
+// It serves the layers whose every op is native: weights in column panels (panel_gemm.cpp) or
+// in GGUF blocks (quant_matmul.cpp), no q/k norms, a float32 or an int8 cache (write_kv.cpp or
+// kv_int8.cpp, paged_attention.cpp). The Python route serves the rest (oneDNN's linears,
+// quantized formats other than GGUF blocks, CUDA) and is the reference the tests compare
+// this with.
 #include <cstdint>
 #include <optional>
 
@@ -17,20 +18,34 @@
 #include "elementwise.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
+#include "quant_matmul.h"
 
 namespace splitserve {
 namespace {
+
+// layer.<linear>(x): a float32 weight is column panels, a uint8 one rows of GGUF blocks, Q8_0
+// or Q4_1 as the row's bytes say (34 or 20 per 32 inputs; gguf_linear_cpu checks them). The
+// bias is added after the product, as GGUFLinear does.
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
+                        const std::optional<at::Tensor>& bias) {
+  if (weight.scalar_type() != at::kByte) return panel_linear_cpu(x, weight, out_features, bias);
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == out_features, "decoder_layer: blocks of ",
+                    out_features, " rows expected, got ", weight.sizes());
+  const int64_t blocks = (x.size(1) + 31) / 32;
+  at::Tensor y = gguf_linear_cpu(x, weight, weight.size(1) == blocks * 34 ? kQ8_0 : kQ4_1);
+  return bias.has_value() ? y.add_(*bias) : y;
+}
 
 at::Tensor decoder_layer_cpu(
     at::Tensor& x,                             // [T, hidden] float32, the residual stream, updated in place
     const std::optional<at::Tensor>& mlp_out,  // [T, hidden], the previous layer's MLP output (none: the first)
     const at::Tensor& input_norm,              // [hidden]
-    const at::Tensor& qkv,                     // panels of [(H + 2 KV) D, hidden]
+    const at::Tensor& qkv,                     // [(H + 2 KV) D, hidden] in panels or GGUF blocks
     const std::optional<at::Tensor>& qkv_bias,  // [(H + 2 KV) D] or none
-    const at::Tensor& o,                       // panels of [hidden, H D]
+    const at::Tensor& o,                       // [hidden, H D], the same
     const at::Tensor& post_norm,               // [hidden]
-    const at::Tensor& gate_up,                 // panels of [2 intermediate, hidden]
-    const at::Tensor& down,                    // panels of [hidden, intermediate]
+    const at::Tensor& gate_up,                 // [2 intermediate, hidden], the same
+    const at::Tensor& down,                    // [hidden, intermediate], the same
     const at::Tensor& cos,                     // [T, 1, D]
     const at::Tensor& sin,                     // [T, 1, D], signed
     at::Tensor& k_cache,                       // [num_blocks, block_size, KV, D] (int8: D + 4), written in place
@@ -48,7 +63,7 @@ at::Tensor decoder_layer_cpu(
   // ops.rms_norm / ops.add_rms_norm_
   at::Tensor h = mlp_out.has_value() ? add_rms_norm_cpu(x, *mlp_out, input_norm, eps) : rms_norm_cpu(x, input_norm, eps);
   // layer.qkv(h), then q and k as one [T, H + KV, D] view, v after them
-  const at::Tensor qkv_out = panel_linear_cpu(h, qkv, (H + 2 * KV) * D, qkv_bias);
+  const at::Tensor qkv_out = layer_linear(h, qkv, (H + 2 * KV) * D, qkv_bias);
   at::Tensor qk = qkv_out.narrow(1, 0, (H + KV) * D).view({T, H + KV, D});
   const at::Tensor v = qkv_out.narrow(1, (H + KV) * D, KV * D).view({T, KV, D});
   rotary_cpu(qk, cos, sin);
@@ -62,9 +77,9 @@ at::Tensor decoder_layer_cpu(
   }
   const at::Tensor attn = paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
   // ops.add_rms_norm_(x, layer.o(attn), post_norm), then layer.down(ops.silu_mul(layer.gate_up(h)))
-  h = add_rms_norm_cpu(x, panel_linear_cpu(attn.reshape({T, H * D}), o, hidden, std::nullopt), post_norm, eps);
-  return panel_linear_cpu(silu_mul_cpu(panel_linear_cpu(h, gate_up, 2 * intermediate, std::nullopt)), down, hidden,
-                          std::nullopt);
+  h = add_rms_norm_cpu(x, layer_linear(attn.reshape({T, H * D}), o, hidden, std::nullopt), post_norm, eps);
+  return layer_linear(silu_mul_cpu(layer_linear(h, gate_up, 2 * intermediate, std::nullopt)), down, hidden,
+                      std::nullopt);
 }
 
 }  // namespace

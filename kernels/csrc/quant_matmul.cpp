@@ -33,12 +33,12 @@
 #include <torch/library.h>
 
 #include "float_vec.h"
+#include "quant_matmul.h"
 
 namespace splitserve {
 namespace {
 
 constexpr int kBlock = 32;
-enum Kind : int64_t { kQ8_0 = 0, kQ4_1 = 1 };
 constexpr int64_t kBlockBytes[2] = {34, 20};
 
 inline float half_to_float(const uint8_t* p) {
@@ -523,6 +523,8 @@ void run(const Problem& p) {
   for_each_tile(p.N, p.K, [&](int64_t n0, auto nt) { rows<kind, decltype(nt)::value>(p, n0); });
 }
 
+}  // namespace
+
 at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK_VALUE(kind == kQ8_0 || kind == kQ4_1, "gguf_linear: kind must be 0 (Q8_0) or 1 (Q4_1), got ", kind);
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -565,7 +567,6 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int64_
   return y;
 }
 
-}  // namespace
 }  // namespace splitserve
 
 TORCH_LIBRARY_FRAGMENT(splitserve, m) {

@@ -25,7 +25,8 @@ def _panels_everywhere(model: object) -> None:
     more to oneDNN, and the fused route to the Python one), so that they are compared bit for bit."""
     for layer in model.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            lin.panel_rows = math.inf
+            if isinstance(lin, linear.Linear):
+                lin.panel_rows = math.inf
     model.fused_rows = math.inf
 
 
@@ -38,11 +39,17 @@ def _runner(path: Path, fused: bool, **config: object) -> object:
 
 
 @needs_panels
-# qwen2: the qkv bias; int8: the cache's rows quantized by the native write (kv_int8.cpp)
-@pytest.mark.parametrize("arch, kv_cache_dtype", [("llama", "auto"), ("qwen2", "auto"), ("llama", "int8")])
-def test_one_call_per_layer_gives_the_same_bits(arch: str, kv_cache_dtype: str, ckpt_dir: Callable[..., Path]) -> None:
-    fused = _runner(ckpt_dir(arch), True, kv_cache_dtype=kv_cache_dtype)
-    python = _runner(ckpt_dir(arch), False, kv_cache_dtype=kv_cache_dtype)
+# qwen2: the qkv bias; int8 KV: the cache's rows quantized by the native write (kv_int8.cpp);
+# int8 / int4 weights: GGUF blocks, Q8_0 / Q4_1 (kernels/csrc/quant_matmul.cpp; with qwen2, the
+# bias added after the blocks' product)
+@pytest.mark.parametrize("arch, config", [
+    ("llama", {}), ("qwen2", {}), ("llama", {"kv_cache_dtype": "int8"}), ("llama", {"quantization": "int8"}),
+    ("qwen2", {"quantization": "int4", "quant_group_size": 32}),
+])
+def test_one_call_per_layer_gives_the_same_bits(arch: str, config: dict, ckpt_dir: Callable[..., Path]) -> None:
+    fused = _runner(ckpt_dir(arch), True, **config)
+    python = _runner(ckpt_dir(arch), False, **config)
+    kv_cache_dtype = config.get("kv_cache_dtype", "auto")
     assert fused.kv_cache.dtype == (torch.int8 if kv_cache_dtype == "int8" else torch.float32)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, fused.spec.vocab_size, (45,), generator=gen).tolist() for _ in range(3)]
@@ -89,10 +96,19 @@ def test_greedy_generation_is_the_same(ckpt_dir: Callable[..., Path]) -> None:
 
 @needs_panels
 def test_layers_it_cannot_serve_keep_the_python_route(ckpt_dir: Callable[..., Path]) -> None:
-    # q/k norms (Qwen3) have no native op here; quantized weights run other kernels.
+    # q/k norms (Qwen3) have no native op here; int4 in groups of 64 runs PyTorch's int4 kernel.
     assert not Engine(EngineConfig(model=str(ckpt_dir("qwen3")), num_kv_blocks=8)).runner.model.fused_layers
-    int8 = EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, quantization="int8")
-    assert not Engine(int8).runner.model.fused_layers
+    int4_g64 = EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, quantization="int4", quant_group_size=64)
+    assert not Engine(int4_g64).runner.model.fused_layers
+
+
+@needs_panels
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_gguf_block_layers_take_it_at_every_row_count(quantization: str, ckpt_dir: Callable[..., Path]) -> None:
+    config = EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=8, quantization=quantization,
+                          quant_group_size=32)
+    model = Engine(config).runner.model
+    assert model.fused_layers and model.fused_rows == math.inf
 
 
 @needs_panels

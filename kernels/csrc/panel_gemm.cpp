@@ -61,6 +61,9 @@ constexpr int64_t kXBlockFloats = 65536;  // x rows per block: about 256 KB of t
 // rows (Zen 3, AVX2: one line a step). Zen 4, the default model's layers, 2 cores: AVX2 23 / 32
 // / 95 ms at 8 / 16 / 64 rows against 29 / 42 / 106 without; AVX-512 (two lines a step)
 // asking for the first line only took 27 ms at 8 rows, both 21, none 20, alike from 16 rows on.
+// The lines go to L2 (prefetcht1), not L1 (3 runs each alternated, Zen 4): AVX-512 at 8 / 15
+// rows 21.3-23.4 / 28.8-30.9 ms -> 19.6-20.0 / 27.9-28.8 (into L1 with NTA: no better); AVX2
+// at 8 / 64 rows 23.2-24.1 / 93.6-94.4 -> 19.5-21.8 / 89-93.
 constexpr int64_t kPrefetchRows = 8;
 // Chunks of panels per intra-op thread when x is one block of rows (decode): a thread taken
 // off its core holds up one chunk, not its share (parallel_dynamic).
@@ -89,7 +92,7 @@ inline void micro(const float* x, int64_t ldx, const float* w, int kc, float* y,
   for (int k = 0; k < kc; ++k) {
     if constexpr (kPrefetch) {
 #pragma GCC unroll 4
-      for (int l = 0; l < kNR / 16; ++l) __builtin_prefetch(w + (k + kKC) * kNR + l * 16, 0, 3);  // each 64-byte line
+      for (int l = 0; l < kNR / 16; ++l) __builtin_prefetch(w + (k + kKC) * kNR + l * 16, 0, 2);  // each 64-byte line
     }
     VF wv[kNV];
 #pragma GCC unroll 4

@@ -8,12 +8,14 @@ read front to back by a register-blocked kernel.
   model's 120 projections and LM head took, against the paths below, 17.2 ms against the
   GEMV's 18.8 at 1 row, 35 against oneDNN's 48 at 16 rows, 102 against 127 at 64, and 3.1 s
   against 3.5 s at 2048 (weights from memory as in a step).
-* The AVX-512 library (12 rows x 32 columns per block): below 16 rows. On an AMD EPYC Zen 4
+* The AVX-512 library (12 rows x 32 columns per block): below 129 rows. On an AMD EPYC Zen 4
   (2 cores, AVX-512 executed as two 256-bit halves), the same layers took 13.1 ms against the
-  GEMV's 19.9 at 1 row and 13.1 against oneDNN's 17.7 at 4, about 21 against 22.8 at 8; from
-  16 rows on oneDNN's AVX-512 GEMM is as fast or faster (30.7 against 34.8 at 16, 99 against
-  100 at 64, 345 against 387 at 256), so it serves those. Such a layer keeps three copies of
-  its weight (plain, panels, oneDNN's).
+  GEMV's 19.9 at 1 row and 13.1 against oneDNN's 17.7 at 4. With the panel prefetched into
+  L2 (2026-12-04, two runs each): 28-30 against 34 at 16 rows, 48-56 against 60-63 at 32,
+  90-92 against 93-94 at 64, 176-192 against 197-200 at 128; from 144 rows on oneDNN's
+  AVX-512 GEMM is as fast or faster (193-204 against 204-216 at 144, 349-364 against 368-371
+  at 256), so it serves those. Such a layer keeps three copies of its weight (plain, panels,
+  oneDNN's).
 
 Otherwise:
 
@@ -53,7 +55,7 @@ from splitserve_kernels.native import native_kernels
 
 # float32 rows below which the panel GEMM serves, per native library (module docstring); a
 # library not named here has no panel route.
-PANEL_ROWS: dict[str, float] = {"avx2": math.inf, "avx512": 16}
+PANEL_ROWS: dict[str, float] = {"avx2": math.inf, "avx512": 129}
 # float32 rows from which oneDNN's packed GEMM serves, per native library (module docstring).
 MIN_PACKED_ROWS = {"avx512": 4, "avx2": 16}
 MIN_PACKED_ROWS_WITHOUT_GEMV = 4  # no native GEMV: F.linear below (MKL, 0.77x of oneDNN at 1-3 rows)

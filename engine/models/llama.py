@@ -13,7 +13,7 @@ of a layer is native (float32 panel linears or GGUF-block ones, no q/k norms, a 
 cache), the whole layer is one call, ``splitserve::decoder_layer`` (kernels/csrc/decoder_layer.cpp):
 the same ops in the same order, without the Python and the dispatcher between them. That holds
 for forwards of fewer tokens than every linear serves there: the panel GEMM every count on AVX2,
-below 16 on AVX-512, where oneDNN serves more rows (engine/models/linear.py); GGUF blocks
+below 129 on AVX-512, where oneDNN serves more rows (engine/models/linear.py); GGUF blocks
 (engine/quant/linear.py) every count.
 """
 

@@ -21,7 +21,7 @@ needs_panels = pytest.mark.skipif(not panel_gemm(), reason="fused layers need th
 
 
 def _panels_everywhere(model: object) -> None:
-    """Both routes on the panel GEMM at every row count (the AVX-512 library hands 16 rows and
+    """Both routes on the panel GEMM at every row count (the AVX-512 library hands 129 rows and
     more to oneDNN, and the fused route to the Python one), so that they are compared bit for bit."""
     for layer in model.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -116,7 +116,7 @@ def test_a_forward_of_more_rows_than_the_panels_serve_takes_the_python_route(
         ckpt_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
     runner = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=64, block_size=BLOCK)).runner
     assert runner.model.fused_rows == linear.panel_rows()
-    runner.model.fused_rows = 16  # the AVX-512 library's limit, on any library
+    runner.model.fused_rows = 16  # a limit like the AVX-512 library's, on any library
     calls: list[int] = []
     real = torch.ops.splitserve.decoder_layer
     monkeypatch.setattr(torch.ops.splitserve, "decoder_layer", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))

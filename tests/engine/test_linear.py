@@ -27,7 +27,7 @@ def test_float32_matches_f_linear(rows, with_bias, monkeypatch) -> None:
     bias = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 80, generator=gen)
     layer = Linear(weight, bias)
-    limit = linear.panel_rows()  # AVX2: every row count; AVX-512: below 16; no library: none
+    limit = linear.panel_rows()  # AVX2: every row count; AVX-512: below 129; no library: none
     panels = rows < limit
     assert layer.panel_rows == limit and layer.packable == (limit < math.inf)
     assert layer.packed is None and layer.panels is None  # packed at the first call that needs it

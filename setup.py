@@ -29,7 +29,6 @@ NATIVE_SOURCES = [
     "kernels/csrc/argmax.cpp",
     "kernels/csrc/attention_plan.cpp",
     "kernels/csrc/decoder_layer.cpp",
-    "kernels/csrc/dense_gemv.cpp",
     "kernels/csrc/elementwise.cpp",
     "kernels/csrc/kv_int8.cpp",
     "kernels/csrc/paged_attention.cpp",

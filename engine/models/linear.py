@@ -1,4 +1,4 @@
-"""Linear layers: the native panel GEMM, prepacked oneDNN GEMMs and the native GEMV.
+"""Linear layers: the native panel GEMM and prepacked oneDNN GEMMs.
 
 A float32 layer runs ``panel_linear`` (kernels/csrc/panel_gemm.cpp) on inputs of fewer rows
 than :func:`panel_rows`: its weight is copied once, at the first such call, into column panels
@@ -25,14 +25,9 @@ arithmetic (a quarter of a batch-64 decode step on the bench model, measured). H
 weight is reordered into oneDNN's layout once, at its first packed call, and each call runs
 oneDNN's GEMM on it (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for prepacked linears).
 
-Without a panel route (``prepack=False``: both native libraries have one), a float32 input of
-fewer rows than :func:`min_packed_rows` (a small decode batch) is a GEMV
-bound by reading the weight once: the native ``dense_gemv`` (kernels/csrc/dense_gemv.cpp)
-splits the weight rows over the intra-op threads and streams them at close to the memory's
-bandwidth. Measured on the default model's 120 projections, 2 cores (AMD Zen 5): at 1 row
-13.3 ms against oneDNN's 14.8 and MKL's 34.6 (MKL's GEMV stays on one thread here); on the
-AVX2 build (``ONEDNN_MAX_CPU_ISA=AVX2``) 12.4 / 16.9 at 1 row and 16.1 / 22.2 at 8 rows, while
-at 16 rows oneDNN catches up and from 32 on wins (AVX-512: from 4 rows on).
+Without a panel route (no native library, or ``prepack=False``), a float32 input of fewer
+rows than ``MIN_PACKED_ROWS`` runs ``F.linear``. (A native GEMV served those once; the panel
+GEMM took its place at every row count it served, and it was removed.)
 
 Where neither pays, the plain ``F.linear`` runs: float16, CUDA tensors, builds without
 oneDNN or the native kernels, and bfloat16 on a CPU where oneDNN has no bfloat16 path (AVX2
@@ -56,20 +51,10 @@ from splitserve_kernels.native import native_kernels
 # float32 rows below which the panel GEMM serves, per native library (module docstring); a
 # library not named here has no panel route.
 PANEL_ROWS: dict[str, float] = {"avx2": math.inf, "avx512": 129}
-# float32 rows from which oneDNN's packed GEMM serves, per native library (module docstring).
-MIN_PACKED_ROWS = {"avx512": 4, "avx2": 16}
-MIN_PACKED_ROWS_WITHOUT_GEMV = 4  # no native GEMV: F.linear below (MKL, 0.77x of oneDNN at 1-3 rows)
+# float32 rows from which oneDNN's packed GEMM serves where the panel GEMM does not; fewer run
+# F.linear (MKL, 0.77x of oneDNN at 1-3 rows).
+MIN_PACKED_ROWS = 4
 log = structlog.get_logger(__name__)
-
-
-def min_packed_rows() -> int:
-    """float32 inputs of fewer rows than this run the native GEMV (where loaded)."""
-    variant = native_kernels().variant
-    return MIN_PACKED_ROWS.get(variant or "", MIN_PACKED_ROWS_WITHOUT_GEMV)
-
-
-def native_gemv() -> bool:
-    return native_kernels().available
 
 
 def panel_rows() -> float:
@@ -120,8 +105,7 @@ class Linear:
         float32_cpu = weight.dtype == torch.float32 and weight.device.type == "cpu"
         self.panel_rows = panel_rows() if prepack and float32_cpu else 0  # fewer rows: panels
         self.packable = prepack and can_prepack(weight) and self.panel_rows < math.inf
-        self.gemv = float32_cpu and native_gemv() and self.panel_rows == 0  # below min_packed_rows
-        self.min_packed_rows = min_packed_rows() if float32_cpu else 0
+        self.min_packed_rows = MIN_PACKED_ROWS if float32_cpu else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         rows = x.shape[0]
@@ -130,8 +114,6 @@ class Linear:
             return torch.ops.splitserve.panel_linear(x, self.packed_panels(), self.out_features, self.bias)
         if self.packable and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
-        if self.gemv and x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1:
-            return torch.ops.splitserve.dense_gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @property

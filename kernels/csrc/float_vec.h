@@ -1,7 +1,6 @@
 // Float vectors of the CPU capability a library is compiled for (setup.py's variants):
 // __m512 (16 lanes) under AVX-512, __m256 (8 lanes) under AVX2, a plain 8-float struct
-// elsewhere; the few operations the linear kernels (dense_gemv.cpp, panel_gemm.cpp,
-// quant_matmul.cpp) need.
+// elsewhere; the few operations the linear kernels (panel_gemm.cpp, quant_matmul.cpp) need.
 // vhalves: kLanes float16 values as floats; vsum_each: lane i = the sum of v[i]'s lanes.
 // kMaxRowTile: how many activation rows a kernel keeps accumulators for per weight row
 // (AVX-512 has 32 vector registers, AVX2 16).

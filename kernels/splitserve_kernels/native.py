@@ -5,7 +5,7 @@
 :func:`native_kernels` loads the best one this CPU runs, as ATen reports it
 (``torch.backends.cpu.get_cpu_capability()``), which registers the operators
 ``torch.ops.splitserve.paged_attention`` (float caches and the int8 one), ``write_kv``,
-``write_kv_int8``, ``gguf_linear`` (quant_matmul.py), ``dense_gemv``,
+``write_kv_int8``, ``gguf_linear`` (quant_matmul.py),
 ``pack_panels`` and ``panel_linear`` (engine/models/linear.py), ``decoder_layer`` (a whole
 layer of those: engine/models/llama.py), ``argmax_rows`` (greedy tokens) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
 ``rotary_``, ``silu_mul``); their fake implementations are registered here so ``torch.compile`` can trace through them
@@ -189,10 +189,6 @@ def _register_fakes() -> None:
     @torch.library.register_fake("splitserve::argmax_rows")
     def _argmax_rows_fake(logits):
         return logits.new_empty(logits.shape[0], dtype=torch.int64)
-
-    @torch.library.register_fake("splitserve::dense_gemv")
-    def _dense_gemv_fake(x, weight, bias):
-        return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("splitserve::panel_linear")
     def _panel_linear_fake(x, panels, out_features, bias):

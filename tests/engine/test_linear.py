@@ -1,4 +1,4 @@
-"""engine.models.linear: the native panel GEMM, prepacked oneDNN GEMMs and the native GEMV against F.linear."""
+"""engine.models.linear: the native panel GEMM and prepacked oneDNN GEMMs against F.linear."""
 
 from __future__ import annotations
 
@@ -10,12 +10,8 @@ import torch.nn.functional as F
 
 from engine.models import linear
 from engine.models.linear import Linear
-from splitserve_kernels.native import native_kernels
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
-
-
-needs_native = pytest.mark.skipif(not native_kernels().available, reason="native kernels not loaded")
 
 
 @needs_onednn
@@ -31,44 +27,18 @@ def test_float32_matches_f_linear(rows, with_bias, monkeypatch) -> None:
     panels = rows < limit
     assert layer.panel_rows == limit and layer.packable == (limit < math.inf)
     assert layer.packed is None and layer.panels is None  # packed at the first call that needs it
-    calls: dict[str, int] = {"packed": 0, "gemv": 0, "panels": 0}
+    calls: dict[str, int] = {"packed": 0, "panels": 0}
     for namespace, name, key in ((torch.ops.mkldnn, "_linear_pointwise", "packed"),
-                                 (torch.ops.splitserve, "dense_gemv", "gemv"),
                                  (torch.ops.splitserve, "panel_linear", "panels")):
         real = getattr(namespace, name, None)
         if real is not None:
             monkeypatch.setattr(namespace, name, lambda *a, real=real, key=key: calls.__setitem__(key, 1) or real(*a),
                                 raising=False)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
-    packed = not panels and layer.packable and rows >= linear.min_packed_rows()
-    gemv = not panels and not packed and native_kernels().available
-    assert calls == {"packed": int(packed), "gemv": int(gemv), "panels": int(panels)}
+    packed = not panels and layer.packable and rows >= linear.MIN_PACKED_ROWS
+    assert calls == {"packed": int(packed), "panels": int(panels)}
     assert (layer.packed is not None) == packed and (layer.panels is not None) == panels
     assert layer.weight is weight  # float32 keeps both
-
-
-@needs_native
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (49, 1536), (7, 100), (1, 3), (33, 17)])
-def test_native_gemv_matches_f_linear(rows, n, k) -> None:
-    # Odd N (a tile of 4 weight rows plus single rows), K not a multiple of the vector lanes,
-    # x a strided view (row stride > K), with and without bias.
-    gen = torch.Generator().manual_seed(n * k + rows)
-    weight = torch.randn(n, k, generator=gen)
-    bias = torch.randn(n, generator=gen)
-    x = torch.randn(rows, k + 7, generator=gen)[:, 3 : 3 + k]
-    for b in (None, bias):
-        want = F.linear(x, weight, b)
-        got = torch.ops.splitserve.dense_gemv(x, weight, b)
-        torch.testing.assert_close(got, want, atol=1e-5 * k**0.5, rtol=1e-5)
-
-
-@needs_native
-def test_native_gemv_refuses_mismatched_operands() -> None:
-    with pytest.raises(ValueError, match="x has K = 8, weight has 9"):
-        torch.ops.splitserve.dense_gemv(torch.zeros(1, 8), torch.zeros(4, 9), None)
-    with pytest.raises(ValueError, match="bias must be contiguous float32"):
-        torch.ops.splitserve.dense_gemv(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(3))
 
 
 @needs_onednn

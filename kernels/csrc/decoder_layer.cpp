@@ -24,15 +24,17 @@ namespace splitserve {
 namespace {
 
 // layer.<linear>(x): a float32 weight is column panels, a uint8 one rows of GGUF blocks, Q8_0
-// or Q4_1 as the row's bytes say (34 or 20 per 32 inputs; gguf_linear_cpu checks them). The
-// bias is added after the product, as GGUFLinear does.
+// or Q4_1 as the row's bytes say (gguf_kind_of). The bias is added after the product, as
+// GGUFLinear does.
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
                         const std::optional<at::Tensor>& bias) {
   if (weight.scalar_type() != at::kByte) return panel_linear_cpu(x, weight, out_features, bias);
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == out_features, "decoder_layer: blocks of ",
                     out_features, " rows expected, got ", weight.sizes());
-  const int64_t blocks = (x.size(1) + 31) / 32;
-  at::Tensor y = gguf_linear_cpu(x, weight, weight.size(1) == blocks * 34 ? kQ8_0 : kQ4_1);
+  const int64_t kind = gguf_kind_of(weight.size(1), x.size(1));
+  TORCH_CHECK_VALUE(kind >= 0, "decoder_layer: rows of ", weight.size(1),
+                    " bytes are neither Q8_0 nor Q4_1 blocks of ", x.size(1), " inputs");
+  at::Tensor y = gguf_linear_cpu(x, weight, kind);
   return bias.has_value() ? y.add_(*bias) : y;
 }
 

@@ -38,8 +38,6 @@
 namespace splitserve {
 namespace {
 
-constexpr int kBlock = 32;
-constexpr int64_t kBlockBytes[2] = {34, 20};
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;

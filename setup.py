@@ -30,6 +30,7 @@ NATIVE_SOURCES = [
     "kernels/csrc/attention_plan.cpp",
     "kernels/csrc/decoder_layer.cpp",
     "kernels/csrc/elementwise.cpp",
+    "kernels/csrc/greedy_head.cpp",
     "kernels/csrc/kv_int8.cpp",
     "kernels/csrc/paged_attention.cpp",
     "kernels/csrc/paged_attention_args.cpp",

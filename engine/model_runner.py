@@ -104,6 +104,15 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
     return params.greedy and params.repetition_penalty == 1.0
 
 
+def _takes_the_argmax(request: Request) -> bool:
+    """Whether the request's next token is the argmax of its raw logits with nothing else asked
+    of them: plain greedy, no logprobs, no grammar, no stop tokens held back (``min_tokens``)."""
+    params = request.sampling_params
+    held_back = request.num_output_tokens < params.min_tokens and (
+        bool(params.stop_token_ids) or (not params.ignore_eos and bool(request.eos_token_ids)))
+    return _is_plain_greedy(params) and params.logprobs is None and request.grammar is None and not held_back
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         # Intra-op threads are the engine's: the config's, else every CPU this process may use.
@@ -216,8 +225,13 @@ class ModelRunner:
         if self._stepping_thread != threading.get_ident():
             self._own_intra_op_threads()
         batch, plain, verifying = self.prepare_batch(out, block_ids)
-        logits = self.model.forward(batch, self.kv_cache)
         result = StepResult()
+        if plain and not verifying and all(_takes_the_argmax(r) for r in plain):
+            # No logit is processed or reported: the tokens alone (the model may skip most logits).
+            for request, token in zip(plain, self.model.greedy(batch, self.kv_cache).tolist()):
+                result.tokens[request.request_id] = [SampledToken(token)]
+            return result
+        logits = self.model.forward(batch, self.kv_cache)
         if plain:
             plain_logits = logits[: len(plain)]
             self._suppress_stop_tokens(plain_logits, plain)

@@ -15,6 +15,11 @@ the same ops in the same order, without the Python and the dispatcher between th
 for forwards of fewer tokens than every linear serves there: the panel GEMM every count on AVX2,
 below 129 on AVX-512, where oneDNN serves more rows (engine/models/linear.py); GGUF blocks
 (engine/quant/linear.py) every count.
+
+``greedy`` gives the tokens of rows that want nothing but the argmax of their logits (the
+runner's plain greedy rows): through a bfloat16 screen of the LM head with a rigorous error
+bound where the CPU has AVX512_BF16 (engine/models/greedy_head.py), the same tokens as
+``forward``'s logits would give, bit for bit.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.models.greedy_head import GreedyHead
 from engine.models.linear import Linear
 from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
@@ -98,6 +104,7 @@ class LlamaModel:
         )
         # Forwards of fewer tokens than this take the fused route (where every linear serves them).
         self.fused_rows = min(lin.fused_rows for lin in linears) if self.fused_layers else 0
+        self.greedy_head = GreedyHead.for_head(self.lm_head)  # greedy tokens without every logit
         inv_freq, attn_scaling = rope_inv_freq(hf_config)
         self._build_rope_cache(inv_freq, attn_scaling, max_model_len)
 
@@ -156,11 +163,23 @@ class LlamaModel:
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
         """
 
+        return self._logits(*self._hidden(batch, kv_cache), batch.logits_indices)
+
+    def greedy(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Tokens ``[N]`` (int64): the argmax of ``forward``'s logits, the first on ties, the same
+        bits; through the bfloat16 screen where it serves (engine/models/greedy_head.py)."""
+        if self.greedy_head is None:
+            return ops.argmax_rows(self.forward(batch, kv_cache))
+        x = self._final_rows(*self._hidden(batch, kv_cache), batch.logits_indices)
+        tokens = self.greedy_head.tokens(x)
+        return tokens if tokens is not None else ops.argmax_rows(self.lm_head(x).float())
+
+    def _hidden(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         kv = _KVWrite(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc)
         x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
         sin = self.signed_sin[batch.positions].unsqueeze(1)
-        return self._logits(*self._layers(x, cos, sin, kv_cache, kv), batch.logits_indices)
+        return self._layers(x, cos, sin, kv_cache, kv)
 
     def forward_sequence(
         self, token_ids: list[int], start_position: int, block_ids: list[int], kv_cache: torch.Tensor
@@ -211,14 +230,16 @@ class LlamaModel:
             mlp_out = layer_fn(layer, x, mlp_out, cos, sin, kv_cache[i, 0], kv_cache[i, 1], kv)
         return x, mlp_out
 
-    def _logits(self, x: torch.Tensor, mlp_out: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-        """Logits of ``rows`` only: the last residual add and the final norm on those rows."""
+    def _final_rows(self, x: torch.Tensor, mlp_out: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """The LM head's input for ``rows`` only: the last residual add and the final norm."""
         x = x[rows]  # a copy: the residual stream of the other rows is not needed any more
         if mlp_out is None:
-            x = ops.rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
-        else:
-            x = ops.add_rms_norm_(x, mlp_out[rows], self.final_norm, self.spec.rms_norm_eps)
-        return self.lm_head(x).float()
+            return ops.rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
+        return ops.add_rms_norm_(x, mlp_out[rows], self.final_norm, self.spec.rms_norm_eps)
+
+    def _logits(self, x: torch.Tensor, mlp_out: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of ``rows`` only."""
+        return self.lm_head(self._final_rows(x, mlp_out, rows)).float()
 
     def _layer(
         self,

@@ -7,7 +7,8 @@
 ``torch.ops.splitserve.paged_attention`` (float caches and the int8 one), ``write_kv``,
 ``write_kv_int8``, ``gguf_linear`` (quant_matmul.py),
 ``pack_panels`` and ``panel_linear`` (engine/models/linear.py), ``decoder_layer`` (a whole
-layer of those: engine/models/llama.py), ``argmax_rows`` (greedy tokens) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
+layer of those: engine/models/llama.py), ``argmax_rows`` and ``greedy_head`` (greedy tokens,
+engine/models/greedy_head.py) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
 ``rotary_``, ``silu_mul``); their fake implementations are registered here so ``torch.compile`` can trace through them
 (``pack_panels`` has none: it runs once per layer, at its first call, never inside a trace).
 
@@ -189,6 +190,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("splitserve::argmax_rows")
     def _argmax_rows_fake(logits):
         return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+    @torch.library.register_fake("splitserve::greedy_head")
+    def _greedy_head_fake(x, panels16, norms, panels, vocab):
+        return x.new_empty(x.shape[0], dtype=torch.int64)
 
     @torch.library.register_fake("splitserve::panel_linear")
     def _panel_linear_fake(x, panels, out_features, bias):

@@ -37,6 +37,7 @@ class GreedyHead:
         self.head = head
         self.panels16: torch.Tensor | None = None  # [P, ceil(K / 2), 32, 2] bfloat16, at the first call
         self.norms: torch.Tensor | None = None  # [vocab] float32: each row's L2 norm
+        self.usable = True  # until the first call finds a weight that is not finite
 
     @classmethod
     def for_head(cls, head: object) -> GreedyHead | None:
@@ -57,6 +58,8 @@ class GreedyHead:
         padded[:vocab, :k] = weight  # rounded to nearest even, as the kernel's bound assumes
         self.panels16 = padded.view(panels, _COLS, k2, 2).permute(0, 2, 1, 3).contiguous()
         self.norms = weight.double().norm(dim=1).float()
+        # A weight that is not finite gives logits argmax would pick as NaN: no screen for it.
+        self.usable = bool(torch.isfinite(self.norms).all())
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:  # [rows, K] -> [rows] int64
         """Each row's greedy token, or None when a row needs the logits (then none is given)."""
@@ -64,6 +67,8 @@ class GreedyHead:
             return None  # more rows than the panels serve: the logits' bits come from oneDNN there
         if self.panels16 is None:
             self._prepare()
+        if not self.usable:
+            return None
         x = x.contiguous()
         tokens = torch.ops.splitserve.greedy_head(
             x, self.panels16, self.norms, self.head.packed_panels(), self.head.out_features

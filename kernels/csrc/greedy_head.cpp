@@ -6,12 +6,13 @@
 //      [P][K/2][32][2] (32 tokens' columns; the pairs of k each lane multiplies), two products
 //      per lane per instruction where float32 has one.
 //   2. Let f[r, n] be the float32 logit panel_linear computes (panel_gemm.cpp). Then
-//      |s - f| <= B[r, n] = kBoundCoef * |x[r]| * |w[n]| + small terms (norms are L2):
-//      rounding x and w to bfloat16 moves each product by at most (2u + u^2)|w_k x_k|
-//      (u = 2^-8), both sums round at most ~K * 2^-24 of sum |w_k x_k|, and by Cauchy-Schwarz
-//      sum |w_k x_k| <= |x| |w|. kBoundCoef = 0.008 covers 2u + u^2 + both sums' rounding
-//      (0.00790 for K = 576) with slack for the norms' own rounding; the terms below cover
-//      bfloat16's flushed denormals and the rounding of s +- B.
+//      |s - f| <= B[r, n] = c(K) * |x[r]| * |w[n]| + small terms (norms are L2): rounding x
+//      and w to bfloat16 moves each product by at most (2u + u^2)|w_k x_k| (u = 2^-8); the
+//      screen's sum rounds at most K times and panel_linear's K + K / kKC times, each by at
+//      most 2^-24 of sum |w_k x_k|; and by Cauchy-Schwarz sum |w_k x_k| <= |x| |w|. So
+//      c(K) = (2u + u^2 + (2.01 K + 8) 2^-24) * 1.001 (0.00790 for K = 576), the 0.1% for the
+//      norms' and the bound's own rounding; the terms below cover bfloat16's flushed
+//      denormals (vdpbf16ps treats them as zero) and the rounding of s +- B.
 //   3. The argmax of f is among the n with s + B >= L = max_m (s - B): f[argmax] >= f[m] >=
 //      s[m] - B[m] for every m. Those candidates' f are computed exactly as panel_linear
 //      computes them (blocks of kKC keys, one fused multiply-add at a time, the blocks' sums
@@ -53,7 +54,12 @@ constexpr int kPanelCols = 32;
 constexpr int kPanelCols = 16;
 #endif
 constexpr int kKC = 4096 / kPanelCols;
-constexpr double kBoundCoef = 0.008;
+
+// c(K) of the bound (above).
+inline double bound_coef(int64_t K) {
+  return (std::ldexp(1.0, -7) + std::ldexp(1.0, -16) + (2.01 * static_cast<double>(K) + 8.0) * std::ldexp(1.0, -24)) *
+         1.001;
+}
 
 // float32 -> bfloat16 bits, round to nearest even (finite inputs).
 inline uint16_t to_bf16(float v) {
@@ -105,7 +111,7 @@ SS_BF16_TARGET void micro(const uint32_t* x, int64_t ldx, const uint16_t* w, int
 }
 
 // Steps 2-3 for one row: its screened logits s (vocab of them), the tokens' norms, the bound's
-// coefficient a (times |w[n]|) and floor e. -1 where s or a candidate's logit is not finite.
+// coefficient a (times |w[n]|) and floor e. The norms must be finite (engine/models/greedy_head.py). -1 where s or a candidate's logit is not finite.
 SS_BF16_TARGET int64_t pick_row(const float* s, const float* norms, int64_t vocab, double a, double e,
                                 const float* x, const float* panels, int64_t K) {
   const float slack = std::ldexp(1.0f, -20);  // the rounding of s +- B in float
@@ -198,9 +204,12 @@ at::Tensor greedy_head_cpu(const at::Tensor& x, const at::Tensor& panels16, cons
     }
     const double norm = std::sqrt(sq);
     finite[r] = ok && std::isfinite(norm);
-    bound_a[r] = kBoundCoef * norm;
-    // bfloat16's flushed denormals: each of K products and sums moves by under 2^-126 (1 + |x|).
-    bound_e[r] = static_cast<double>(K) * std::ldexp(1.0, -120) * (1.0 + norm);
+    // bfloat16's flushed denormals: a product with a denormal x_k moves by under 2^-126 |w_k|,
+    // with a denormal w_k by under 2^-126 |x_k|, and each flushed product or sum by under
+    // 2^-126: in all under K 2^-120 (|w| + |x| + 1), twice that for the rounding of s +- B.
+    const double tiny = 2.0 * static_cast<double>(K) * std::ldexp(1.0, -120);
+    bound_a[r] = bound_coef(K) * norm + tiny;
+    bound_e[r] = tiny * (1.0 + norm);
   }
   // 1. The screen, into s [R, P * kCols]: chunks of panels over the threads, all rows each.
   std::vector<float> s(R * P * kCols);

@@ -20,10 +20,10 @@ def _reference(x: torch.Tensor, head: Linear) -> torch.Tensor:
 
 @needs_screen
 @pytest.mark.parametrize(("vocab", "k", "rows"), [(49152, 576, 64), (1000, 576, 7), (77, 65, 13), (33, 2, 1),
-                                                  (4096, 1536, 20)])
+                                                  (4096, 1536, 20), (512, 8192, 3)])
 def test_the_tokens_are_the_float32_argmax(vocab: int, k: int, rows: int) -> None:
     # vocab across partial last panels (1000, 77, 33), k odd (65: a half pair) and across the
-    # float32 panels' key blocks (1536); a hidden state with an outlier channel, as the default
+    # float32 panels' key blocks (1536, 8192: where the sums' rounding weighs in the bound); a hidden state with an outlier channel, as the default
     # model's final one has; two rows of the weight equal, so that their logits tie exactly.
     gen = torch.Generator().manual_seed(vocab + k + rows)
     weight = torch.randn(vocab, k, generator=gen) * 0.05
@@ -59,6 +59,13 @@ def test_a_row_that_is_not_finite_declines() -> None:
         x = torch.randn(3, 64)
         x[1, 7] = bad
         assert GreedyHead(Linear(weight)).tokens(x) is None  # the caller takes the logits
+
+
+@needs_screen
+def test_a_weight_that_is_not_finite_turns_the_screen_off() -> None:
+    weight = torch.randn(300, 64) * 0.05
+    weight[17, 3] = float("nan")
+    assert GreedyHead(Linear(weight)).tokens(torch.randn(2, 64)) is None
 
 
 @needs_screen

@@ -162,16 +162,13 @@ class LlamaModel:
 
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
         """
-
         return self._logits(*self._hidden(batch, kv_cache), batch.logits_indices)
 
     def greedy(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Tokens ``[N]`` (int64): the argmax of ``forward``'s logits, the first on ties, the same
         bits; through the bfloat16 screen where it serves (engine/models/greedy_head.py)."""
-        if self.greedy_head is None:
-            return ops.argmax_rows(self.forward(batch, kv_cache))
         x = self._final_rows(*self._hidden(batch, kv_cache), batch.logits_indices)
-        tokens = self.greedy_head.tokens(x)
+        tokens = self.greedy_head.tokens(x) if self.greedy_head is not None else None
         return tokens if tokens is not None else ops.argmax_rows(self.lm_head(x).float())
 
     def _hidden(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

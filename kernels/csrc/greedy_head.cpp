@@ -23,7 +23,6 @@
 // A row whose x is not finite, or whose candidates' logits are not, gets -1: the caller then
 // takes the logits path (NaN and infinity rules as argmax_rows has them).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

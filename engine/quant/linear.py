@@ -193,7 +193,7 @@ class GGUFLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if self._dense is not None:
-            y = F.linear(qm.gguf_activations(x, self.qtype), self._dense).to(x.dtype)
+            y = F.linear(qm.round_activations_q8(x), self._dense).to(x.dtype)
         else:
             y = qm.gguf_matmul_native(x, self.blocks, self.qtype)
         return y if self.bias is None else y + self.bias

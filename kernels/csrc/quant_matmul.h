@@ -20,8 +20,8 @@ inline int64_t gguf_kind_of(int64_t row_bytes, int64_t K) {
   return -1;
 }
 
-// y[M, N] = x[M, K] @ dequantize(blocks).T, blocks [N, row bytes] uint8 in `kind`'s blocks of
-// 32; x float32 with unit stride along K (Q4_1 rounds it to 8 bits per block first).
+// y[M, N] = x^[M, K] @ dequantize(blocks).T, blocks [N, row bytes] uint8 in `kind`'s blocks of
+// 32; x float32 with unit stride along K, rounded to 8 bits per block of 32 first.
 at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int64_t kind);
 
 }  // namespace splitserve

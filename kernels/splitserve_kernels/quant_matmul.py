@@ -180,11 +180,11 @@ def int4_matmul_cpu(
 # dequantizing, no requantizing). Where K is not a multiple of 32 the last block is padded
 # (quantized zeros); the kernel pads the activations with zeros to match. The native kernel
 # (kernels/csrc/quant_matmul.cpp) dequantizes in registers, the same weights as
-# dequantize_gguf gives. Q8_0 takes float32 activations; Q4_1 takes them rounded to 8 bits per
-# block of 32 (round_activations_q8: llama.cpp's Q8_1, which it pairs with Q4_1), at every
-# batch size, so that batch-1 decode runs on integer dot products (2.x times faster on the
-# default model, bench.quant) and a request's result does not depend on its batch. Only the
-# float rounding order differs between the kernel and gguf_matmul_ref.
+# dequantize_gguf gives. Both take the activations rounded to 8 bits per block of 32
+# (round_activations_q8: llama.cpp pairs Q4_1 with its Q8_1 and Q8_0 with its Q8_0, as here),
+# at every batch size, so that batch-1 decode runs on integer dot products and a request's
+# result does not depend on its batch. Only the float rounding order differs between the
+# kernel and gguf_matmul_ref.
 
 GGUF_BLOCK = 32
 GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
@@ -243,8 +243,9 @@ def dequantize_gguf(blocks: torch.Tensor, qtype: str, in_features: int) -> torch
 
 def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
     """``[M, K]`` -> float32 ``[M, K]``, each block of 32 along K rounded to 8 bits: d =
-    max|x| / 127, x^ = d * round(x / d) (ties to even; an all-zero block stays zero). What
-    Q4_1 weights multiply (the native kernel computes the same values)."""
+    max|x| / 127, x^ = d * round(x / d) (ties to even; an all-zero block stays zero, a block
+    holding a value that is not finite becomes NaN). What GGUF weights multiply (the native
+    kernel computes the same values)."""
     m, k = x.shape
     blocks = torch.nn.functional.pad(x.to(torch.float32), (0, -k % GGUF_BLOCK)).view(m, -1, GGUF_BLOCK)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
@@ -252,16 +253,11 @@ def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
     return (q * d).view(m, -1)[:, :k]
 
 
-def gguf_activations(x: torch.Tensor, qtype: str) -> torch.Tensor:
-    """What a ``qtype`` weight multiplies: x itself (Q8_0) or x rounded per block (Q4_1)."""
-    return round_activations_q8(x) if qtype == "Q4_1" else x.to(torch.float32)
-
-
 def gguf_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:  # [M, N]
-    """Torch reference: ``gguf_activations(x) @ dequantize_gguf(blocks).T`` in float32, cast
-    to x's dtype."""
+    """Torch reference: ``round_activations_q8(x) @ dequantize_gguf(blocks).T`` in float32,
+    cast to x's dtype."""
     w = dequantize_gguf(blocks, qtype, x.shape[1])
-    return (gguf_activations(x, qtype) @ w.T).to(x.dtype)
+    return (round_activations_q8(x) @ w.T).to(x.dtype)
 
 
 def gguf_matmul_native(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:  # [M, N]

@@ -1,7 +1,7 @@
 """A GGUF file's Q4_1 / Q8_0 tensors kept as blocks under --quantization (engine/quant/linear.py):
 the loader hands over exactly the file's weights, and the quantized engine computes with them:
-int8's greedy tokens equal the float32 engine's on the same file, int4's those of its torch
-reference (only float rounding order differs: logprobs within a tolerance). And the GGUF config path of a cold start."""
+its greedy tokens equal those of its torch reference (only float rounding order differs:
+logprobs within a tolerance). And the GGUF config path of a cold start."""
 
 from __future__ import annotations
 
@@ -36,23 +36,6 @@ def test_kept_blocks_are_the_files_weights(qtype: str, tmp_path: Path, ckpt_dir:
         assert torch.equal(w.dequantize(), dense[name]), name
 
 
-@needs_native
-def test_int8_engine_on_kept_blocks_equals_float32(tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
-    # Q8_0 weights take float32 activations: the float32 engine on the same file, up to the
-    # float rounding order.
-    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype="Q8_0"))
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    quant = Engine(EngineConfig(model=path, num_kv_blocks=64, quantization="int8"))
-    layer = quant.runner.model.layers[0]
-    assert isinstance(layer.qkv, GGUFLinear) and layer.qkv.qtype == "Q8_0"
-    assert isinstance(quant.runner.model.lm_head, GGUFLinear) and quant.runner.model.lm_head.qtype == "Q8_0"
-    want = Engine(EngineConfig(model=path, num_kv_blocks=64)).generate(PROMPTS, params)
-    got = quant.generate(PROMPTS, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-4)
-
-
 def _gguf_linears(model: object) -> list[GGUFLinear]:
     found = [model.lm_head] if isinstance(model.lm_head, GGUFLinear) else []
     for layer in model.layers:
@@ -62,17 +45,20 @@ def _gguf_linears(model: object) -> list[GGUFLinear]:
 
 @needs_native
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["batch", "batch-1"])
-def test_int4_engine_on_kept_blocks_equals_its_torch_reference(prompts: list[list[int]], tmp_path: Path,
-                                                               ckpt_dir: Callable[..., Path]) -> None:
-    # Q4_1 weights take activations rounded to 8 bits per block (kernels/splitserve_kernels/quant_matmul.py):
-    # the same engine with every block linear on the torch reference (the file's weights
-    # dequantized, round_activations_q8) gives the same tokens, logprobs up to rounding order.
-    # "batch-1" decodes one sequence, the kernel's integer-dot path.
-    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype="Q4_1"))
+@pytest.mark.parametrize(("qtype", "quant_args"), [("Q4_1", {"quantization": "int4", "quant_group_size": 32}),
+                                                   ("Q8_0", {"quantization": "int8"})])
+def test_quantized_engine_on_kept_blocks_equals_its_torch_reference(
+        prompts: list[list[int]], qtype: str, quant_args: dict, tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
+    # Q4_1 and Q8_0 weights take activations rounded to 8 bits per block
+    # (kernels/splitserve_kernels/quant_matmul.py): the same engine with every block linear on
+    # the torch reference (the file's weights dequantized, round_activations_q8) gives the
+    # same tokens, logprobs up to rounding order. "batch-1" decodes one sequence, the
+    # kernel's integer-dot path.
+    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype=qtype))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    quant = Engine(EngineConfig(model=path, num_kv_blocks=64, quantization="int4", quant_group_size=32))
+    quant = Engine(EngineConfig(model=path, num_kv_blocks=64, **quant_args))
     linears = _gguf_linears(quant.runner.model)
-    assert {lin.qtype for lin in linears} == {"Q4_1"}  # the projections and the LM head, as the file has them
+    assert {lin.qtype for lin in linears} == {qtype}  # the projections and the LM head, as the file has them
     assert len(linears) == 4 * len(quant.runner.model.layers) + 1
     got = quant.generate(prompts, params)
     for lin in linears:

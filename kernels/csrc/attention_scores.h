@@ -25,25 +25,6 @@ constexpr int kChunkVecs = kChunk / kVec;
 constexpr int kWide = 2 * kChunk;  // keys per online-softmax step of a float prefill tile
 constexpr int kWideVecs = kWide / kVec;
 
-// kt[d * kChunk + t] = k[t * slot_stride + d] for t < n, 0 for n <= t < kChunk.
-template <typename scalar_t>
-inline void transpose_keys(const scalar_t* k, int64_t slot_stride, int n, int D, float* kt) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (n == kChunk && D % 16 == 0) {
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        at::vec::transpose_mxn<float, 16, 16>(k + d0, slot_stride, kt + d0 * kChunk, kChunk);
-      }
-      return;
-    }
-  }
-  for (int t = 0; t < kChunk; ++t) {
-    const scalar_t* row = k + t * slot_stride;
-    for (int d = 0; d < D; ++d) {
-      kt[d * kChunk + t] = t < n ? static_cast<float>(row[d]) : 0.0f;
-    }
-  }
-}
-
 // kt[d * ld + t] = k_t[d] for the n <= kChunk rows k (slot_stride apart); the columns past n
 // are left as they are.
 inline void transpose_keys_into(const float* k, int64_t slot_stride, int n, int D, float* kt, int ld) {
@@ -54,6 +35,20 @@ inline void transpose_keys_into(const float* k, int64_t slot_stride, int n, int 
   for (int t = 0; t < n; ++t) {
     const float* row = k + t * slot_stride;
     for (int d = 0; d < D; ++d) kt[d * ld + t] = row[d];
+  }
+}
+
+// kt[d * kChunk + t] = k[t * slot_stride + d] for t < n, 0 for n <= t < kChunk.
+template <typename scalar_t>
+inline void transpose_keys(const scalar_t* k, int64_t slot_stride, int n, int D, float* kt) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (n == kChunk && D % 16 == 0) return transpose_keys_into(k, slot_stride, n, D, kt, kChunk);
+  }
+  for (int t = 0; t < kChunk; ++t) {
+    const scalar_t* row = k + t * slot_stride;
+    for (int d = 0; d < D; ++d) {
+      kt[d * kChunk + t] = t < n ? static_cast<float>(row[d]) : 0.0f;
+    }
   }
 }
 

@@ -571,6 +571,38 @@ void run(const Problem& p) {
   for_each_tile(p.N, p.K, [&](int64_t n0, auto nt) { rows<kind, decltype(nt)::value>(p, n0); });
 }
 
+// y = x^ @ dequantize(blocks).T for x [M, K] (whole blocks, rows ldx apart) in `kind`'s blocks:
+// x rounded to 8 bits per block (above) with its block sums for Q4_1's minimums' term, then one
+// row's integer dots, a prompt's dense GEMM, or the tiles.
+template <int kind>
+void linear_kind(const float* xd, int64_t ldx, const at::Tensor& blocks, at::Tensor& y) {
+  const int64_t M = y.size(0), N = y.size(1), nb = blocks.size(1) / kBlockBytes[kind], K = nb * kBlock;
+  const uint8_t* bd = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  if (M == 1) {
+    std::vector<int8_t> qx(K);
+    std::vector<float> dx(nb), xsum(nb);
+    quantize_x(kind, xd, K, qx.data(), dx.data(), xsum.data());
+    const X8Problem p{qx.data(), dx.data(), xsum.data(), bd, row_bytes, y.data_ptr<float>(), N, K};
+    for_each_tile(N, K, [&](int64_t n0, auto nt) { row_tile_x8<kind, decltype(nt)::value>(p, n0); });
+    return;
+  }
+  std::vector<float> xr(M * K), xsum(M * nb);  // x^ in float, natural order
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) round_x(xd + i * ldx, K, xr.data() + i * K, xsum.data() + i * nb);
+  });
+  if (M >= kDenseMinRows) {  // a prompt's rows: the weight dequantized once, then a float GEMM
+    at::Tensor w = at::empty({N, K}, y.options());
+    float* wd = w.data_ptr<float>();
+    at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) dequantize_row<kind>(bd + n * row_bytes, K, wd + n * K);
+    });
+    at::mm_out(y, at::from_blob(xr.data(), {M, K}, y.options()), w.t());
+    return;
+  }
+  run<kind>(Problem{xr.data(), K, bd, row_bytes, xsum.data(), y.data_ptr<float>(), M, N, K});
+}
+
 }  // namespace
 
 at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
@@ -592,49 +624,10 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& blocks, int64_
   // whatever their blocks hold; zero activations make it count for nothing).
   const at::Tensor xp = K == x.size(1) ? x : at::constant_pad_nd(x, {0, K - x.size(1)}, 0.0);
   const float* xd = xp.data_ptr<float>();
-  // x rounded to 8 bits per block (above), its block sums for Q4_1's minimums' term
-  const int64_t nb = K / kBlock;
-  if (M == 1) {
-    std::vector<int8_t> qx(K);
-    std::vector<float> dx(nb), xsum(nb);
-    quantize_x(kind, xd, K, qx.data(), dx.data(), xsum.data());
-    const X8Problem p{qx.data(), dx.data(), xsum.data(), blocks.data_ptr<uint8_t>(), blocks.size(1),
-                      y.data_ptr<float>(), N, K};
-    for_each_tile(N, K, [&](int64_t n0, auto nt) {
-      if (kind == kQ8_0) {
-        row_tile_x8<kQ8_0, decltype(nt)::value>(p, n0);
-      } else {
-        row_tile_x8<kQ4_1, decltype(nt)::value>(p, n0);
-      }
-    });
-    return y;
-  }
-  std::vector<float> xr(M * K), xsum(M * nb);  // x^ in float, natural order
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) round_x(xd + i * xp.stride(0), K, xr.data() + i * K, xsum.data() + i * nb);
-  });
-  if (M >= kDenseMinRows) {  // a prompt's rows: the weight dequantized once, then a float GEMM
-    at::Tensor w = at::empty({N, K}, x.options());
-    float* wd = w.data_ptr<float>();
-    const uint8_t* bd = blocks.data_ptr<uint8_t>();
-    const int64_t row_bytes = blocks.size(1);
-    at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        if (kind == kQ8_0) {
-          dequantize_row<kQ8_0>(bd + n * row_bytes, K, wd + n * K);
-        } else {
-          dequantize_row<kQ4_1>(bd + n * row_bytes, K, wd + n * K);
-        }
-      }
-    });
-    at::mm_out(y, at::from_blob(xr.data(), {M, K}, x.options()), w.t());
-    return y;
-  }
-  const Problem p{xr.data(), K, blocks.data_ptr<uint8_t>(), blocks.size(1), xsum.data(), y.data_ptr<float>(), M, N, K};
   if (kind == kQ8_0) {
-    run<kQ8_0>(p);
+    linear_kind<kQ8_0>(xd, xp.stride(0), blocks, y);
   } else {
-    run<kQ4_1>(p);
+    linear_kind<kQ4_1>(xd, xp.stride(0), blocks, y);
   }
   return y;
 }

@@ -123,6 +123,8 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
             if isinstance(item, decode_pb2.FirstToken):
                 yield decode_pb2.DecodeResponse(first_token=item)
                 continue
+            if item.finish_reason == "error":
+                raise ServiceError(grpc.StatusCode.INTERNAL, f"request {item.request_id}: {item.error}")
             chunk = self._chunk(item)
             if chunk is not None:
                 yield decode_pb2.DecodeResponse(tokens=chunk)

@@ -137,13 +137,16 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def free(self, blocks: Sequence[KVBlock]) -> None:
-        """Drop one reference on each block, in the given order (first freed = first evicted)."""
+    def free(self, blocks: Sequence[KVBlock], unpublish: bool = False) -> None:
+        """Drop one reference on each block, in the given order (first freed = first evicted).
+        ``unpublish``: a block left with no holder leaves the prefix cache at once."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block!r}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                if unpublish:
+                    self._evict(block)
                 self.free_queue.append(block)
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:

@@ -15,6 +15,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import structlog
+
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
@@ -27,11 +29,13 @@ from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.proposers import Proposer, make_proposer
 from engine.outputs import CompletionOutput, EngineLoad, RequestOutput
 from engine.prompt_check import check_prompt, check_prompt_len
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampler import make_generator, skip_sampled_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import StructuredOutput
+
+log = structlog.get_logger()
 
 Prompt = str | Sequence[int]
 
@@ -194,6 +198,7 @@ class Engine(StructuredOutput):
         block_ids = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in out.scheduled}
         result = self.runner.execute(out, block_ids)
         num_before = {s.request.request_id: s.request.num_output_tokens for s in out.scheduled}
+        self._fail(out, result.failed)
         for item in out.scheduled:
             for token in result.tokens.get(item.request.request_id, ()):
                 self._record_logprobs(item.request, token)
@@ -204,10 +209,19 @@ class Engine(StructuredOutput):
         self.stats.num_steps += 1
         self._propose()
         return early + [
-            self._make_output(s.request, num_before[s.request.request_id])
+            self._make_output(s.request, num_before[s.request.request_id], result.failed.get(s.request.request_id))
             for s in out.scheduled
-            if s.request.request_id in result.tokens
+            if s.request.request_id in result.tokens or s.request.request_id in result.failed
         ]
+
+    def _fail(self, out: SchedulerOutput, failed: dict[str, str]) -> None:
+        """End the requests the step could give no token (``StepResult.failed``) as
+        FINISHED_ERROR: their blocks freed and withdrawn from the prefix cache."""
+        for item in out.scheduled:
+            reason = failed.get(item.request.request_id)
+            if reason is not None and not item.request.status.finished:
+                log.error("engine.request_failed", request_id=item.request.request_id, reason=reason)
+                self.scheduler.finish(item.request, RequestStatus.FINISHED_ERROR)
 
     # -- speculative decoding --------------------------------------------------------
     def _num_speculative_tokens(self, request: Request) -> int:
@@ -262,8 +276,9 @@ class Engine(StructuredOutput):
         if token.top_logprobs is not None:
             request.output_top_logprobs.append(token.top_logprobs)
 
-    def _make_output(self, request: Request, num_before: int) -> RequestOutput:
-        """What this step added to ``request`` (output tokens from index ``num_before``)."""
+    def _make_output(self, request: Request, num_before: int, error: str | None = None) -> RequestOutput:
+        """What this step added to ``request`` (output tokens from index ``num_before``);
+        ``error``: why it failed (FINISHED_ERROR)."""
         new_token_ids = request.output_token_ids[num_before:]
         detok = self._detok.get(request.request_id)
         new_text = detok.add(new_token_ids) if detok is not None else ""
@@ -284,6 +299,7 @@ class Engine(StructuredOutput):
             num_preemptions=request.num_preemptions,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            error=error,
         )
 
     def generate(

@@ -145,12 +145,13 @@ class KVCacheManager:
             self.pool.free(list(reversed(blocks[keep:])))
             del blocks[keep:]
 
-    def free(self, request: Request) -> None:
-        """Release every block of the request, last block first (evicted first)."""
+    def free(self, request: Request, unpublish: bool = False) -> None:
+        """Release every block of the request, last block first (evicted first).
+        ``unpublish``: blocks no other request holds leave the prefix cache too."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
         if blocks:
-            self.pool.free(list(reversed(blocks)))
+            self.pool.free(list(reversed(blocks)), unpublish=unpublish)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

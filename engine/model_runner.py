@@ -43,6 +43,8 @@ class StepResult:
 
     tokens: dict[str, list[SampledToken]] = field(default_factory=dict)
     num_accepted: dict[str, int] = field(default_factory=dict)
+    # Request id -> why it gets no token: its logits (a row of them) were not all finite.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +99,11 @@ def kv_row_width(kv_cache_dtype: str, head_dim: int) -> int:
     if head_dim % INT8_SCALE_BYTES:
         raise ValueError(f"kv_cache_dtype int8 needs head_dim to be a multiple of 4; the model's is {head_dim}")
     return head_dim + INT8_SCALE_BYTES
+
+
+def _not_finite(request: Request) -> str:
+    return (f"the model's logits for output token {request.num_output_tokens + 1} are not all finite "
+            "(NaN or infinity: an overflow, or a weight that is not finite)")
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
@@ -228,10 +235,16 @@ class ModelRunner:
         result = StepResult()
         if plain and not verifying and all(_takes_the_argmax(r) for r in plain):
             # No logit is processed or reported: the tokens alone (the model may skip most logits).
-            for request, token in zip(plain, self.model.greedy(batch, self.kv_cache).tolist()):
-                result.tokens[request.request_id] = [SampledToken(token)]
+            tokens, finite = self.model.greedy(batch, self.kv_cache)
+            for request, token, ok in zip(plain, tokens.tolist(), finite.tolist()):
+                if ok:
+                    result.tokens[request.request_id] = [SampledToken(token)]
+                else:
+                    result.failed[request.request_id] = _not_finite(request)
             return result
         logits = self.model.forward(batch, self.kv_cache)
+        rows = plain + [item.request for item in verifying for _ in range(len(item.spec_token_ids) + 1)]
+        self._fail_non_finite(logits, rows, result)
         if plain:
             plain_logits = logits[: len(plain)]
             self._suppress_stop_tokens(plain_logits, plain)
@@ -245,7 +258,23 @@ class ModelRunner:
             self._collect(plain, self.sampler(plain_logits, metadata), result)
         if verifying:
             self._verify(verifying, logits[len(plain) :], result)
+        for request_id in result.failed:
+            result.tokens.pop(request_id, None)
+            result.num_accepted.pop(request_id, None)
         return result
+
+    @staticmethod
+    def _fail_non_finite(logits: torch.Tensor, rows: list[Request], result: StepResult) -> None:
+        """Fail the requests that own a logits row (``rows[i]`` owns row i) that is not all
+        finite: argmax would take a NaN as the largest value and sampling would raise. Those
+        rows become zeros so the step's sampling runs on; their tokens are dropped after it."""
+        finite = ops.finite_rows(logits)
+        if bool(finite.all()):
+            return
+        bad = ~finite
+        logits[bad] = 0.0
+        for row in bad.nonzero().flatten().tolist():
+            result.failed.setdefault(rows[row].request_id, _not_finite(rows[row]))
 
     def _verify(self, items: list[ScheduledRequest], logits: torch.Tensor, result: StepResult) -> None:
         """Verify each request's drafts against the target's k + 1 logit rows (in item order).

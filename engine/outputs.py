@@ -29,12 +29,13 @@ class RequestOutput:
     new_top_logprobs: list[dict[int, float]] | None = None
     new_text: str = ""
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_output_tokens: int = 0  # generated so far, these included
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
     num_accepted_tokens: int = 0  # of which the target accepted
+    error: str | None = None  # finish_reason "error": why no token could be given
 
 
 @dataclass
@@ -53,6 +54,7 @@ class CompletionOutput:
     num_preemptions: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    error: str | None = None
 
     def add(self, out: RequestOutput) -> None:
         """Append one step's output (mutates ``self``)."""
@@ -67,6 +69,7 @@ class CompletionOutput:
         self.num_preemptions = out.num_preemptions
         self.num_draft_tokens = out.num_draft_tokens
         self.num_accepted_tokens = out.num_accepted_tokens
+        self.error = out.error
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()  # EOS or a stop token
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()
+    # The model's logits for the request's next token were not all finite (NaN or inf: an
+    # overflow in half precision, a corrupt weight, a fault): no token can be given, so the
+    # request ends with an error, never with the argmax of NaNs.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -36,11 +40,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -137,8 +137,10 @@ class Scheduler:
         return self.kv.release(request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Finish a request. A ``hold_kv`` request that was not aborted keeps the blocks of
-        its prompt (held for transfer); every other block is freed."""
+        """Finish a request. A ``hold_kv`` request that stopped normally keeps the blocks of
+        its prompt (held for transfer); every other block is freed. A request that failed
+        (FINISHED_ERROR: non-finite logits) also withdraws the blocks it alone published from
+        the prefix cache: their K/V may hold the same NaNs, and no later prompt may reuse them."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -146,10 +148,10 @@ class Scheduler:
             self.waiting.remove(request)
         elif request in self.prefilled:
             self.prefilled.remove(request)
-        if request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+        if request.hold_kv and status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             self.kv.hold(request, request.num_prompt_tokens)
         else:
-            self.kv.free(request)
+            self.kv.free(request, unpublish=status is RequestStatus.FINISHED_ERROR)
         self.requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:

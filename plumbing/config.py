@@ -113,6 +113,9 @@ class WorkerConfig:
     # Fault injection for the failure tests: the prefill worker sleeps this long between
     # announcing a transfer and posting its send (0: off).
     fault_transfer_stall_s: float = 0.0
+    # Fault injection: this token's embedding row becomes NaN, so a prompt holding it gets
+    # logits that are not finite (the request must fail, never answer; None: off).
+    fault_nan_token: int | None = None
 
     def __post_init__(self) -> None:
         parse_source(self.gateway, "gateway")  # ValueError naming the flag
@@ -306,6 +309,8 @@ def add_worker_flags(p: argparse.ArgumentParser, default_model: str) -> None:
              help="prefill: KV channels to each decode worker; each carries one transfer at a time")
     add_flag(p, "--fault-transfer-stall-s", type=float, default=0.0,
              help="failure testing only: stall each KV send this long after announcing it")
+    add_flag(p, "--fault-nan-token", type=int, default=None,
+             help="failure testing only: this token id's embedding becomes NaN (its requests must fail)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -315,7 +320,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         transport=args.transport, kv_channel_timeout_s=args.kv_channel_timeout_s,
         max_reservations_per_request=args.max_reservations_per_request,
         max_reservation_hold_ms=args.max_reservation_hold_ms,
-        fault_transfer_stall_s=args.fault_transfer_stall_s, kv_chunk_bytes=args.kv_chunk_bytes,
+        fault_transfer_stall_s=args.fault_transfer_stall_s, fault_nan_token=args.fault_nan_token,
+        kv_chunk_bytes=args.kv_chunk_bytes,
         kv_channels_per_peer=args.kv_channels_per_peer,
     )
 

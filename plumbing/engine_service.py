@@ -210,6 +210,11 @@ async def serve_worker(
     # Built on a passing thread, so that only the engine thread keeps an OpenMP team.
     engine = cpu_tuning.on_passing_thread(lambda: Engine(config.engine))
     load_s = time.monotonic() - started  # model load and engine set-up: the cold start's main part
+    if config.fault_nan_token is not None:
+        log.warning("worker.fault_nan_token", token_id=config.fault_nan_token)
+        model = engine.runner.model
+        model.embed = model.embed.clone()  # its own copy: a head tied to it stays clean
+        model.embed[config.fault_nan_token] = float("nan")
     adopt_library_loggers()  # transformers attached its own stderr handler on import
     worker = make_worker(config, engine)
     tee = KVEventTee.install(engine.kv.pool)  # one KV-event log per gateway, before the engine runs

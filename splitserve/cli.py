@@ -99,14 +99,18 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     if args.chat is None:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-    finish_reason = None
+    finish_reason = error = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id == request_id:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
                 finish_reason = out.finish_reason
+                error = out.error
     sys.stdout.write(f"\n[finish_reason={finish_reason}]\n")
+    if error is not None:
+        sys.stderr.write(f"splitserve: {error}\n")
+        return 1
     return 0
 
 

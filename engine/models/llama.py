@@ -164,12 +164,18 @@ class LlamaModel:
         """
         return self._logits(*self._hidden(batch, kv_cache), batch.logits_indices)
 
-    def greedy(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def greedy(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``[N]`` (int64): the argmax of ``forward``'s logits, the first on ties, the same
-        bits; through the bfloat16 screen where it serves (engine/models/greedy_head.py)."""
+        bits; through the bfloat16 screen where it serves (engine/models/greedy_head.py). And
+        ``[N]`` bool: whether the row's logits are all finite (where not, its token means
+        nothing). The screen serves only rows whose hidden state and candidates' logits are
+        finite, and heads whose weights are: its rows are."""
         x = self._final_rows(*self._hidden(batch, kv_cache), batch.logits_indices)
         tokens = self.greedy_head.tokens(x) if self.greedy_head is not None else None
-        return tokens if tokens is not None else ops.argmax_rows(self.lm_head(x).float())
+        if tokens is not None:
+            return tokens, torch.ones(tokens.shape, dtype=torch.bool)
+        logits = self.lm_head(x).float()
+        return ops.argmax_rows(logits), ops.finite_rows(logits)
 
     def _hidden(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         kv = _KVWrite(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc)

@@ -21,6 +21,7 @@ from engine.request import Request
 from engine.sampler import SamplingMetadata, compute_probs, greedy_tokens, random_sample
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
+from splitserve_kernels import ops
 from splitserve_kernels.kv_cache import new_kv_cache
 
 
@@ -115,8 +116,7 @@ class DraftModelProposer(Proposer):
                 row_probs = compute_probs(logits.unsqueeze(0), metadata)  # [1, vocab]
                 drafts.append(int(random_sample(row_probs, metadata.generators)[0]))
                 probs.append(row_probs[0])
-        request.spec_token_ids = drafts
-        request.draft_probs = torch.stack(probs) if probs else None
+        _set_drafts(request, drafts, torch.stack(probs) if probs else None)
         request.draft_num_computed = request.num_tokens + k - 1
 
     def _propose_batch(self, requests: list[Request], ks: list[int], block_ids: dict[str, list[int]]) -> None:
@@ -155,8 +155,7 @@ class DraftModelProposer(Proposer):
         draft_ids = torch.stack(all_drafts, dim=1)  # [num_requests, max_k]
         draft_probs = torch.stack(all_probs, dim=1)  # [num_requests, max_k, vocab]
         for i, (request, k) in enumerate(zip(requests, ks)):
-            request.spec_token_ids = draft_ids[i, :k].tolist()
-            request.draft_probs = draft_probs[i, :k]
+            _set_drafts(request, draft_ids[i, :k].tolist(), draft_probs[i, :k])
             request.draft_num_computed = request.num_tokens + k - 1
 
     def _draw(
@@ -166,6 +165,17 @@ class DraftModelProposer(Proposer):
         probs = compute_probs(logits, metadata)
         generators = [None if r.sampling_params.greedy else r.generator for r in requests]
         return random_sample(probs, generators), probs
+
+
+def _set_drafts(request: Request, drafts: list[int], probs: torch.Tensor | None) -> None:
+    """Give ``request`` its drafts, cut before the first one drawn from a distribution that is
+    not all finite (the draft model's logits were not): rejection sampling divides by those
+    probabilities. Argmax drafts (no ``probs``) need no cut: the target's own argmax decides."""
+    if probs is not None:
+        keep = int(ops.finite_rows(probs).cumprod(0).sum())
+        drafts, probs = drafts[:keep], (probs[:keep] if keep else None)
+    request.spec_token_ids = drafts
+    request.draft_probs = probs
 
 
 @contextmanager

@@ -1,9 +1,11 @@
 // The quantizing K/V write of the int8 KV cache (kernels/splitserve_kernels/kv_int8.py's write_kv_int8_ref, the
 // same arithmetic): per token and KV head, scale = max |x| / 127, q = x / scale rounded half
-// away from zero, clamped to [-127, 127]; the row is q then the float32 scale.
+// away from zero, clamped to [-127, 127]; the row is q then the float32 scale. A row holding a NaN
+// or an infinity is stored as zeros under a NaN scale, so it reads back as NaN, never as numbers.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/contiguous.h>
@@ -18,7 +20,17 @@ namespace {
 
 void quantize_row(const float* x, int64_t D, int8_t* row) {
   float amax = 0.0f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  bool finite = true;
+  for (int64_t d = 0; d < D; ++d) {
+    finite = finite && std::isfinite(x[d]);
+    amax = std::max(amax, std::fabs(x[d]));
+  }
+  if (!finite) {  // a NaN or an infinity stays one: zeros under a NaN scale read back as NaN
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::memset(row, 0, static_cast<size_t>(D));
+    std::memcpy(row + D, &nan, sizeof(float));
+    return;
+  }
   const float scale = amax / 127.0f;
   const float safe = scale > 0.0f ? scale : 1.0f;
   for (int64_t d = 0; d < D; ++d) {

@@ -39,9 +39,11 @@ def _round_half_away(y: torch.Tensor) -> torch.Tensor:
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:  # [..., D] float -> [..., D + 4] int8
     """Rows in the int8 cache format (module docstring)."""
     xf = x.to(torch.float32)
-    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0  # NaN or inf where the row is not finite
+    finite = torch.isfinite(scale)
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = _round_half_away(xf / safe).clamp(-127, 127).to(torch.int8)
+    q = torch.where(finite, _round_half_away(xf / safe).clamp(-127, 127), 0.0).to(torch.int8)
     return torch.cat((q, scale.contiguous().view(torch.int8)), dim=-1)
 
 
@@ -131,11 +133,13 @@ def _write_kv_int8_kernel(
     h_mask = offs_h < NUM_KV_HEADS
     x = tl.load(src_ptr + tok * stride_src_tok + offs_h[:, None] * stride_src_head + offs_d[None, :],
                 mask=h_mask[:, None], other=0.0).to(tl.float32)
-    scale = tl.max(tl.abs(x), axis=1) / 127.0  # [BLOCK_H]
+    # A row holding a NaN or an infinity (a NaN compares false) gets zeros under a NaN scale.
+    finite = tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=1) == 0  # [BLOCK_H]
+    scale = tl.where(finite, tl.max(tl.abs(x), axis=1) / 127.0, float("nan"))
     safe = tl.where(scale > 0, scale, 1.0)
     y = x / safe[:, None]
     q = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+    q = tl.where(finite[:, None], tl.minimum(tl.maximum(q, -127.0), 127.0), 0.0).to(tl.int8)
     row = slot * stride_cache_slot + offs_h * stride_cache_head  # int8 offsets of the rows
     tl.store(cache_ptr + row[:, None] + offs_d[None, :], q, mask=h_mask[:, None])
     tl.store(cache_f32_ptr + (row + HEAD_DIM) // 4, scale, mask=h_mask)

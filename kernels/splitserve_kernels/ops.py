@@ -119,6 +119,13 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows
     return logits.max(dim=-1).indices
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows] bool
+    """Whether each row's values are all finite: its sum is (a NaN or an infinity carries
+    into it; finite values sum past float32's range only at magnitudes no model gives, and
+    such a row is no answer either). One read of the logits, no [rows, vocab] mask."""
+    return torch.isfinite(logits.sum(dim=-1))
+
+
 # -- the elementwise parts of a layer (elementwise.py, kernels/csrc/elementwise.cpp) --
 
 

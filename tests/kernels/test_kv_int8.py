@@ -27,6 +27,33 @@ def test_row_format_round_trip() -> None:
     assert int(rows[..., :16].abs().max()) == 127  # each row's largest value maps to +-127
 
 
+def _non_finite_rows() -> torch.Tensor:
+    x = _rows((4, 2, 16), 5)
+    x[0, 1, 3], x[1, 0, 0], x[2, 1, 15] = float("nan"), float("inf"), float("-inf")
+    return x
+
+
+def _check_non_finite_stored(rows: torch.Tensor, x: torch.Tensor) -> None:
+    # A row with a NaN or an infinity is zeros under a NaN scale: it reads back NaN, all of
+    # it, never as numbers; the finite rows are stored as ever.
+    bad = ~torch.isfinite(x).all(-1)
+    assert int(bad.sum()) == 3
+    assert bool(kv_int8.kv_scales(rows)[bad].isnan().all()) and int(rows[bad][:, :16].abs().sum()) == 0
+    assert bool(kv_int8.dequantize_kv(rows, torch.float32)[bad].isnan().all())
+    assert torch.equal(rows[~bad], kv_int8.quantize_kv(x[~bad]))
+
+
+def test_a_row_that_is_not_finite_reads_back_as_nan() -> None:
+    x = _non_finite_rows()
+    _check_non_finite_stored(kv_int8.quantize_kv(x), x)
+    k_cache, v_cache = (_int8_cache(2, 8, 2, 16, False) for _ in range(2))
+    slots = torch.arange(4)
+    ops.write_kv(x, x, k_cache, v_cache, slots)  # the native write where it serves
+    _check_non_finite_stored(k_cache[0, :4], x)
+    kv_int8.write_kv_int8_triton(x, x, k_cache, v_cache, slots + 8)
+    _check_non_finite_stored(k_cache[1, :4], x)
+
+
 def test_head_dim_must_be_a_multiple_of_4() -> None:
     with pytest.raises(ValueError, match="multiple of 4"):
         kv_int8.row_width(18)

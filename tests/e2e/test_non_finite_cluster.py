@@ -1,0 +1,52 @@
+"""Logits that are not finite, through real processes: the request fails with a status that
+names the cause (never tokens marked complete), the workers keep serving, no block leaks.
+
+Both workers poison one token's embedding (``--fault-nan-token``): a prompt holding it gets NaN
+logits wherever it is prefilled, on the prefill worker (a long prompt) or on the decode worker
+itself (a short one)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from splitserve.client import make_request
+from splitserve.cluster import Cluster
+from tests.e2e.cluster_util import MODEL, idle, stream, wait_all_free
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_non_finite")]
+
+POISON = 1000
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    logs = tmp_path_factory.mktemp("logs-non-finite")
+    fault = ["--fault-nan-token", str(POISON)]
+    with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(logs), gateway_flags=["--local-prefill-max-tokens", "16"],
+                 prefill_flags=fault, decode_flags=fault) as c:
+        yield c
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    from engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=MODEL, num_threads=1))
+    return engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].token_ids
+
+
+@pytest.mark.parametrize("where", ["prefill worker", "decode worker"])
+def test_a_request_with_non_finite_logits_fails_and_the_cluster_serves_on(cluster: Cluster, where: str) -> None:
+    gw = cluster.addresses["gateway"]
+    n = 40 if where == "prefill worker" else 8  # --local-prefill-max-tokens 16
+    bad = list(range(200, 200 + n)) + [POISON, 300]
+    res = stream(gw, make_request(bad, 8), 60)
+    assert res.error == grpc.StatusCode.UNAVAILABLE and res.token_ids == [], (res.error, res.details)
+    assert "not all finite" in res.details
+    clean = list(range(400, 400 + n))
+    ok = stream(gw, make_request(clean, 8), 60)
+    assert ok.error is None and ok.token_ids == reference(clean, 8)
+    stats = wait_all_free(gw, within_s=5.0)
+    assert all(idle(s) for s in stats.values()), stats
+    log = (cluster.log_dir / ("prefill-0.log" if where == "prefill worker" else "decode-0.log")).read_text()
+    assert "engine.request_failed" in log

@@ -33,8 +33,10 @@ def _engine(path: Path) -> Engine:
     return Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=16))
 
 
-def _poison(engine: Engine) -> None:
-    engine.runner.model.embed[POISON] = float("nan")
+def _poison(engine: Engine, token: int = POISON) -> None:
+    model = engine.runner.model
+    model.embed = model.embed.clone()  # its own copy: a head tied to it stays clean
+    model.embed[token] = float("nan")
 
 
 PARAMS = {
@@ -118,3 +120,35 @@ def test_drafts_stop_before_a_distribution_that_is_not_finite() -> None:
     assert request.spec_token_ids == [] and request.draft_probs is None
     _set_drafts(request, [5, 6], None)  # argmax drafts: the target's argmax decides
     assert request.spec_token_ids == [5, 6] and request.draft_probs is None
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_a_failure_mid_generation_keeps_the_tokens_before_it(ckpt_dir: Callable[..., Path],
+                                                              speculative: str | None) -> None:
+    # Poison a token the request generates: the step that feeds it back gets NaN logits (as a
+    # decode, or inside a verification when n-gram drafts hold it). The tokens given before
+    # stay as they were; the request ends with an error, never with a token after the fault.
+    from engine.spec_decode.config import SpeculativeConfig
+    from tests.engine.test_spec_decode import repetitive_prompts
+
+    spec = None if speculative is None else SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    path = ckpt_dir("llama")
+    clean = Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=16, speculative=spec))
+    for prompt in repetitive_prompts(6, seed=4):
+        want = clean.generate([prompt], params)[0].token_ids
+        fresh = [i for i in range(2, len(want)) if want[i] not in prompt and want[i] not in want[:i]]
+        if fresh:
+            break
+    else:
+        pytest.fail("no generated token that is new to its request")
+    i = fresh[0]
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=16, speculative=spec))
+    _poison(engine, want[i])
+    (out,) = engine.generate([prompt], params)
+    assert out.finish_reason == "error" and "not all finite" in (out.error or "")
+    assert out.token_ids == want[: len(out.token_ids)] and len(out.token_ids) <= i + 1
+    if speculative is None:
+        assert out.token_ids == want[: i + 1]  # the poisoned token itself came from finite logits
+    engine.check_integrity()
+    assert engine.num_free_blocks == 64

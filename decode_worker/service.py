@@ -124,7 +124,7 @@ class DecodeWorker(EngineServicer, decode_pb2_grpc.DecodeWorkerServicer):
                 yield decode_pb2.DecodeResponse(first_token=item)
                 continue
             if item.finish_reason == "error":
-                raise ServiceError(grpc.StatusCode.INTERNAL, f"request {item.request_id}: {item.error}")
+                raise ServiceError(grpc.StatusCode.DATA_LOSS, f"request {item.request_id}: {item.error}")
             chunk = self._chunk(item)
             if chunk is not None:
                 yield decode_pb2.DecodeResponse(tokens=chunk)

@@ -47,8 +47,9 @@ log = structlog.get_logger()
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND,
               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# DATA_LOSS: the model's logits were not finite (engine FINISHED_ERROR); a retry gives the same.
 _PASSTHROUGH = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.DEADLINE_EXCEEDED)
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS)
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):

@@ -32,6 +32,7 @@ _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.CANCELLED: (499, "request_cancelled"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.DATA_LOSS: (500, "server_error"),  # the model's logits were not finite
 }
 # gRPC's own refusal of a message past a channel's or server's size limit ("Sent message
 # larger than max (X vs. Y)", "Received message larger than max ..."): RESOURCE_EXHAUSTED,

@@ -112,7 +112,7 @@ class PrefillWorker(EngineServicer, prefill_pb2_grpc.PrefillWorkerServicer):
             out.add(await self.queues[rid].get())
         self.metrics.prompt_tokens.inc(len(prompt) - out.num_cached_tokens)
         if out.finish_reason == "error":
-            raise ServiceError(grpc.StatusCode.INTERNAL, f"request {rid}: {out.error}")
+            raise ServiceError(grpc.StatusCode.DATA_LOSS, f"request {rid}: {out.error}")
         if out.finish_reason == "abort" or not out.token_ids:
             raise ServiceError(grpc.StatusCode.ABORTED, "prefill was aborted")
         return out, common_pb2.PhaseTimings(prefill_us=int((time.monotonic() - start) * 1e6),

@@ -7,6 +7,9 @@ itself (a short one)."""
 
 from __future__ import annotations
 
+import http.client
+import json
+
 import grpc
 import pytest
 
@@ -24,7 +27,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-non-finite")
     fault = ["--fault-nan-token", str(POISON)]
     with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(logs), gateway_flags=["--local-prefill-max-tokens", "16"],
-                 prefill_flags=fault, decode_flags=fault) as c:
+                 prefill_flags=fault, decode_flags=fault, http_port=0) as c:
         yield c
 
 
@@ -41,7 +44,7 @@ def test_a_request_with_non_finite_logits_fails_and_the_cluster_serves_on(cluste
     n = 40 if where == "prefill worker" else 8  # --local-prefill-max-tokens 16
     bad = list(range(200, 200 + n)) + [POISON, 300]
     res = stream(gw, make_request(bad, 8), 60)
-    assert res.error == grpc.StatusCode.UNAVAILABLE and res.token_ids == [], (res.error, res.details)
+    assert res.error == grpc.StatusCode.DATA_LOSS and res.token_ids == [], (res.error, res.details)
     assert "not all finite" in res.details
     clean = list(range(400, 400 + n))
     ok = stream(gw, make_request(clean, 8), 60)
@@ -50,3 +53,15 @@ def test_a_request_with_non_finite_logits_fails_and_the_cluster_serves_on(cluste
     assert all(idle(s) for s in stats.values()), stats
     log = (cluster.log_dir / ("prefill-0.log" if where == "prefill worker" else "decode-0.log")).read_text()
     assert "engine.request_failed" in log
+
+
+def test_the_http_front_answers_500_naming_the_cause(cluster: Cluster) -> None:
+    host, port = cluster.addresses["http"].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("GET", "/v1/models")
+    model = json.loads(conn.getresponse().read())["data"][0]["id"]
+    body = {"model": model, "prompt": list(range(500, 540)) + [POISON], "max_tokens": 4, "temperature": 0.0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    error = json.loads(resp.read())["error"]
+    assert resp.status == 500 and "not all finite" in error["message"] and error["code"] == "data_loss", error

@@ -41,8 +41,9 @@ def _m(path: str, target: str, request_type: type[Message], streaming: bool = Fa
 
 
 GATEWAY = [
-    _m("/splitserve.v1.Gateway/Generate", "gateway", gateway_pb2.GenerateRequest, True, "UNAVAILABLE"),
-    _m("/splitserve.v1.Gateway/GenerateUnary", "gateway", gateway_pb2.GenerateRequest, False, "UNAVAILABLE"),
+    _m("/splitserve.v1.Gateway/Generate", "gateway", gateway_pb2.GenerateRequest, True, "UNAVAILABLE", "DATA_LOSS"),
+    _m("/splitserve.v1.Gateway/GenerateUnary", "gateway", gateway_pb2.GenerateRequest, False, "UNAVAILABLE",
+       "DATA_LOSS"),
     _m("/splitserve.v1.Gateway/GetInfo", "gateway", gateway_pb2.GetInfoRequest),
 ]
 REGISTRY = [
@@ -50,7 +51,7 @@ REGISTRY = [
     _m("/splitserve.v1.WorkerRegistry/Heartbeat", "gateway-internal", gateway_pb2.HeartbeatRequest),
 ]
 WORKERS = [
-    _m("/splitserve.v1.DecodeWorker/Decode", "decode", decode_pb2.DecodeRequest, True, "UNAVAILABLE"),
+    _m("/splitserve.v1.DecodeWorker/Decode", "decode", decode_pb2.DecodeRequest, True, "UNAVAILABLE", "DATA_LOSS"),
     _m("/splitserve.v1.DecodeWorker/OpenKVChannel", "decode", kv_transfer_pb2.KVChannelHandshake, False,
        "FAILED_PRECONDITION", "UNAVAILABLE", "PERMISSION_DENIED"),  # PERMISSION_DENIED: not the caller's address
     _m("/splitserve.v1.DecodeWorker/AnnounceTransfer", "decode", kv_transfer_pb2.TransferHeader, False,
@@ -59,7 +60,7 @@ WORKERS = [
        "FAILED_PRECONDITION", "NOT_FOUND"),  # not this incarnation; no live reservation (or a wrong secret)
     _m("/splitserve.v1.DecodeWorker/GetStats", "decode", common_pb2.GetStatsRequest),
     _m("/splitserve.v1.PrefillWorker/Prefill", "prefill", prefill_pb2.PrefillRequest, False,
-       "UNAVAILABLE", "ABORTED", "FAILED_PRECONDITION", "NOT_FOUND"),
+       "UNAVAILABLE", "ABORTED", "FAILED_PRECONDITION", "NOT_FOUND", "DATA_LOSS"),
     _m("/splitserve.v1.PrefillWorker/GetStats", "prefill", common_pb2.GetStatsRequest),
 ]
 UNKNOWN_METHOD = _m("/splitserve.v1.Gateway/NoSuchMethod", "gateway", gateway_pb2.GetInfoRequest)

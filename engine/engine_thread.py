@@ -12,6 +12,7 @@ state. When idle it waits on a condition, waking for new calls or every ``idle_t
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -40,11 +41,13 @@ class EngineThread:
         on_tick: Callable[[Engine], None] | None = None,
         idle_tick_s: float = 0.05,
         on_failure: Callable[[BaseException], None] | None = None,
+        on_step: Callable[[float, bool], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_tick = on_tick
         self._on_failure = on_failure
+        self._on_step = on_step  # (seconds, whether it computed prompt tokens) after each step
         self.failure: BaseException | None = None
         self._idle_tick_s = idle_tick_s
         self._calls: deque[tuple[Callable[[Engine], Any], Future[Any]]] = deque()
@@ -117,6 +120,8 @@ class EngineThread:
             log.exception("engine_thread.tick_failed")
 
     def _step(self) -> None:
+        num_prompt_tokens = self.engine.stats.num_prefill_tokens
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - the loop stops; the owner fails its requests
@@ -128,5 +133,7 @@ class EngineThread:
                 self._on_failure(exc)
             return
         self.num_steps += 1
+        if self._on_step is not None:
+            self._on_step(time.perf_counter() - start, self.engine.stats.num_prefill_tokens > num_prompt_tokens)
         if outputs:
             self._on_outputs(outputs)

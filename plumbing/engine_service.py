@@ -55,7 +55,7 @@ class EngineServicer:
         # Request id -> its current stream, done once the stream ended and its cleanup ran.
         self._streams: dict[str, asyncio.Future[None]] = {}
         self.engine_thread = EngineThread(engine, self._on_outputs_threadsafe, on_tick=self.on_tick,
-                               on_failure=self._on_engine_failure)
+                               on_failure=self._on_engine_failure, on_step=self.metrics.observe_step)
         self.registration: Registrations | None = None
 
     # -- engine thread -> event loop -------------------------------------------------

@@ -173,6 +173,7 @@ class WorkerMetrics:
     received_prompt_tokens: Counter
     leases_expired: Counter
     lease_renewals: Counter
+    step_seconds: Histogram  # labelled by kind: "decode" (no prompt token) or "prefill"
     _spec_seen: dict = None  # type: ignore[assignment]
     _totals_seen: dict = None  # type: ignore[assignment]
 
@@ -185,6 +186,10 @@ class WorkerMetrics:
                 counter.inc(total - seen.get(key, 0))
                 seen[key] = total
         self._totals_seen = seen
+
+    def observe_step(self, seconds: float, prefill: bool) -> None:
+        """One engine step (engine thread)."""
+        self.step_seconds.labels(role=self._role, kind="prefill" if prefill else "decode").observe(seconds)
 
     def count_auth_failure(self, surface: str, reason: str) -> None:
         self.auth_failures.labels(surface=surface, reason=reason).inc()
@@ -253,6 +258,9 @@ class WorkerMetrics:
                                    "Decode reservations freed because their pages did not arrive within the lease"),
             lease_renewals=counter("splitserve_kv_lease_renewals",
                                    "Decode reservation leases renewed by a prefill worker's keep-alive"),
+            step_seconds=Histogram("splitserve_engine_step_seconds",
+                                   "Engine steps by kind: prefill (computed prompt tokens) or decode",
+                                   ["role", "kind"], buckets=_TOKEN_LATENCY_BUCKETS, registry=r),
         )
         metrics._role = role
         return metrics

@@ -268,6 +268,13 @@ def test_prometheus_metrics_count_what_was_served(cluster: Cluster) -> None:
     assert dec['splitserve_kv_transfer_bytes_total{model="target",role="decode"}'] >= res.timings.transfer_bytes > 0
     assert dec['splitserve_kv_blocks_free{model="target",role="decode"}'] > 0
     assert 'splitserve_spec_decode_draft_tokens_total{model="target",role="decode"}' in dec
+    # The remotely prefilled request's 5 tokens after the first: 5 decode steps here, no prefill.
+    again = stream(cluster.addresses["gateway"], make_request(list(range(700, 780)), 6))
+    assert again.error is None and again.timings.transfer_bytes > 0
+    after = _scrape(METRICS_PORTS["decode-0"])
+    step = 'splitserve_engine_step_seconds_count{kind="%s",model="target",role="decode"}'
+    assert after[step % "decode"] - dec[step % "decode"] == 5
+    assert after.get(step % "prefill", 0.0) == dec.get(step % "prefill", 0.0)
 
 
 def test_request_id_is_on_the_lines_of_all_three_services(cluster: Cluster) -> None:

@@ -1,6 +1,7 @@
 """EngineThread: the engine's only thread; calls between steps, outputs handed off, failure stops it."""
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,7 @@ class FakeEngine:
         self.num_steps = 0
         self.fail_at = fail_at
         self.thread_ids: set[int] = set()
+        self.stats = SimpleNamespace(num_prefill_tokens=0)  # a step computes a 3-token prompt per new id
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)
@@ -26,6 +28,7 @@ class FakeEngine:
         if self.num_steps == self.fail_at:
             raise RuntimeError("boom")
         done, self.pending = self.pending, []
+        self.stats.num_prefill_tokens += 3 * sum(not r.startswith("decode") for r in done)
         return [RequestOutput(request_id=r, new_token_ids=[2], finished=True) for r in done]
 
     def load(self) -> EngineLoad:
@@ -81,3 +84,26 @@ def test_an_exception_in_a_call_goes_to_its_caller_only() -> None:
         assert loop.call(lambda e: 7).result(5) == 7
     finally:
         loop.stop()
+
+
+def test_each_step_is_reported_with_its_kind() -> None:
+    engine = FakeEngine()
+    steps: list[tuple[float, bool]] = []
+    reported = threading.Event()
+
+    def on_step(seconds: float, prefill: bool) -> None:
+        steps.append((seconds, prefill))
+        if len(steps) == 2:
+            reported.set()
+
+    loop = EngineThread(engine, lambda outs: None, on_step=on_step)
+    loop.start()
+    try:
+        loop.call(lambda e: e.pending.append("a")).result(5)
+        while engine.num_steps < 1:
+            threading.Event().wait(0.01)
+        loop.call(lambda e: e.pending.append("decode-a")).result(5)
+        assert reported.wait(5)
+    finally:
+        loop.stop()
+    assert [prefill for _, prefill in steps] == [True, False] and all(s >= 0 for s, _ in steps)

@@ -211,6 +211,9 @@ async def serve_worker(
     engine = cpu_tuning.on_passing_thread(lambda: Engine(config.engine))
     load_s = time.monotonic() - started  # model load and engine set-up: the cold start's main part
     if config.fault_nan_token is not None:
+        if not 0 <= config.fault_nan_token < engine.spec.vocab_size:
+            raise ValueError(f"--fault-nan-token must be a token id below {engine.spec.vocab_size}, "
+                             f"got {config.fault_nan_token}")
         log.warning("worker.fault_nan_token", token_id=config.fault_nan_token)
         model = engine.runner.model
         model.embed = model.embed.clone()  # its own copy: a head tied to it stays clean

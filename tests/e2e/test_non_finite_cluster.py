@@ -65,3 +65,43 @@ def test_the_http_front_answers_500_naming_the_cause(cluster: Cluster) -> None:
     resp = conn.getresponse()
     error = json.loads(resp.read())["error"]
     assert resp.status == 500 and "not all finite" in error["message"] and error["code"] == "data_loss", error
+
+
+MID_PROMPT = list(range(3000, 3024))
+
+
+@pytest.fixture(scope="module")
+def mid_stream(tmp_path_factory: pytest.TempPathFactory) -> tuple[Cluster, list[int], int]:
+    """A colocated cluster whose poisoned token is one the clean model generates for
+    ``MID_PROMPT``: the request streams tokens, then fails at the step that feeds it back."""
+    want = reference(MID_PROMPT, 24)
+    i = next(i for i in range(2, len(want)) if want[i] not in MID_PROMPT and want[i] not in want[:i])
+    logs = tmp_path_factory.mktemp("logs-non-finite-mid")
+    with Cluster(MODEL, num_prefill=0, num_decode=1, log_dir=str(logs), http_port=0,
+                 decode_flags=["--fault-nan-token", str(want[i])]) as c:
+        yield c, want, i
+
+
+def test_a_failure_mid_stream_ends_it_with_data_loss_after_the_good_tokens(mid_stream) -> None:  # noqa: ANN001
+    cluster, want, i = mid_stream
+    gw = cluster.addresses["gateway"]
+    res = stream(gw, make_request(MID_PROMPT, 24), 60)
+    # The poisoned token itself came from finite logits; the step that reads it back fails.
+    assert res.token_ids == want[: i + 1] and res.finish_reason == 0
+    assert res.error == grpc.StatusCode.DATA_LOSS and f"output token {i + 2}" in res.details, res.details
+    assert all(idle(s) for s in wait_all_free(gw, within_s=5.0).values())
+
+    # Through the HTTP front, streamed: the good tokens' chunks, then an error event, and no
+    # chunk claiming a finish.
+    host, port = cluster.addresses["http"].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("GET", "/v1/models")
+    model = json.loads(conn.getresponse().read())["data"][0]["id"]
+    body = {"model": model, "prompt": MID_PROMPT, "max_tokens": 24, "temperature": 0.0, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+              if line.startswith("data: {")]
+    chunks, last = events[:-1], events[-1]
+    assert last["error"]["code"] == "data_loss" and "not all finite" in last["error"]["message"], last
+    assert chunks and all(c["choices"][0]["finish_reason"] is None for c in chunks)

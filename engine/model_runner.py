@@ -243,8 +243,7 @@ class ModelRunner:
                     result.failed[request.request_id] = _not_finite(request)
             return result
         logits = self.model.forward(batch, self.kv_cache)
-        rows = plain + [item.request for item in verifying for _ in range(len(item.spec_token_ids) + 1)]
-        self._fail_non_finite(logits, rows, result)
+        self._fail_non_finite(logits, plain, verifying, result)
         if plain:
             plain_logits = logits[: len(plain)]
             self._suppress_stop_tokens(plain_logits, plain)
@@ -264,13 +263,15 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def _fail_non_finite(logits: torch.Tensor, rows: list[Request], result: StepResult) -> None:
-        """Fail the requests that own a logits row (``rows[i]`` owns row i) that is not all
+    def _fail_non_finite(logits: torch.Tensor, plain: list[Request], verifying: list[ScheduledRequest],
+                         result: StepResult) -> None:
+        """Fail the requests that own a logits row (``prepare_batch``'s order) that is not all
         finite: argmax would take a NaN as the largest value and sampling would raise. Those
         rows become zeros so the step's sampling runs on; their tokens are dropped after it."""
         finite = ops.finite_rows(logits)
         if bool(finite.all()):
             return
+        rows = plain + [item.request for item in verifying for _ in range(len(item.spec_token_ids) + 1)]
         bad = ~finite
         logits[bad] = 0.0
         for row in bad.nonzero().flatten().tolist():

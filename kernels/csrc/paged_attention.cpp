@@ -41,8 +41,6 @@ namespace splitserve {
 namespace {
 
 constexpr int kDirectMaxRows = 4;  // tiles with up to this many rows score keys directly
-// Keys per online-softmax step of a float cache's many-row tiles (attend_wide): two chunks,
-// which may lie in two pages.
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename scalar_t>

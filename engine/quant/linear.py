@@ -22,6 +22,7 @@ interface as the dense one, so the forward does not know which it runs.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,9 +57,10 @@ def _use_triton(device: torch.device) -> bool:
 
 
 class DenseLinear:
-    """``F.linear`` with its weight held: the unquantized layer."""
+    """``F.linear`` with its weight held: the unquantized layer (GGUF blocks dequantized)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None) -> None:
+        weight = as_dense(weight)
         self.weight, self.bias = weight, bias
         self.nbytes = weight.numel() * weight.element_size()
 
@@ -134,7 +136,17 @@ class BlockWeight:
         return self.blocks.shape[0], self.in_features
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
+        """The weight in float32, computed once per object (a tied embedding and LM head
+        share the tensor)."""
+        return self._dense
+
+    @functools.cached_property
+    def _dense(self) -> torch.Tensor:
         return qm.dequantize_gguf(self.blocks, self.qtype, self.in_features)
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``d, m, q`` with ``w = d * q + m`` per block of 32 (quant_matmul.gguf_block_parts)."""
+        return qm.gguf_block_parts(self.blocks, self.qtype)
 
     def to(self, device: torch.device) -> BlockWeight:
         return BlockWeight(self.qtype, self.blocks.to(device), self.in_features)
@@ -165,10 +177,14 @@ def native_blocks(device: torch.device) -> bool:
     return device.type == "cpu" and native_kernels().available
 
 
-def kept_gguf_types(quant: WeightQuant | None, device: torch.device) -> frozenset[str]:
-    """The GGUF tensor types the loader keeps as blocks for this quantization."""
-    if quant is None or not native_blocks(device):
+def kept_gguf_types(quant: WeightQuant | None, device: torch.device, dtype: torch.dtype) -> frozenset[str]:
+    """The GGUF tensor types the loader keeps as blocks for this quantization. Unquantized
+    float32 keeps Q8_0 and Q4_1 too: its layers compute with them as block panels, the same
+    bits as their float32 weights (engine/models/linear.py), and dequantize them where not."""
+    if not native_blocks(device):
         return frozenset()
+    if quant is None:
+        return frozenset(("Q8_0", "Q4_1")) if dtype == torch.float32 else frozenset()
     if quant.method == "int4" and quant.group_size == qm.GGUF_BLOCK:
         return frozenset(("Q8_0", "Q4_1"))
     return frozenset(("Q8_0",))  # the LM head, and int8 projections
@@ -217,7 +233,7 @@ def linear_factory(
     """What builds a layer's projections: ``dense`` unquantized, else the quantized kind.
     A weight the kernel cannot take is a ``ValueError`` naming the shape, at load."""
     if quant is None:
-        return lambda weight, bias=None: dense(as_dense(weight), bias)
+        return lambda weight, bias=None: dense(weight, bias)
 
     def build(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None) -> LinearLayer:
         device = weight.blocks.device if isinstance(weight, BlockWeight) else weight.device
@@ -236,7 +252,7 @@ def lm_head_linear(
     """The LM head: int8 whenever weights are quantized (module docstring); a weight the
     loader kept in its file's blocks stays in them."""
     if quant is None:
-        return dense(as_dense(weight), None)
+        return dense(weight, None)
     if isinstance(weight, BlockWeight):  # kept from the file (kept_gguf_types): as it is
         return GGUFLinear(weight, None)
     return _block_linear(weight, None, "Q8_0") if native_blocks(weight.device) else Int8Linear(weight, None)

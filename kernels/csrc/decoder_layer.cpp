@@ -3,7 +3,7 @@
 // order on the same arguments, so its output, the residual stream and the KV cache are the
 // same bits. What it saves is the Python and the dispatcher between those ten calls.
 //
-// It serves the layers whose every op is native: weights in column panels (panel_gemm.cpp) or
+// It serves the layers whose every op is native: weights in column or block panels (panel_gemm.cpp) or
 // in GGUF blocks (quant_matmul.cpp), no q/k norms, a float32 or an int8 cache (write_kv.cpp or
 // kv_int8.cpp, paged_attention.cpp). The Python route serves the rest (oneDNN's linears,
 // quantized formats other than GGUF blocks, CUDA) and is the reference the tests compare
@@ -23,12 +23,12 @@
 namespace splitserve {
 namespace {
 
-// layer.<linear>(x): a float32 weight is column panels, a uint8 one rows of GGUF blocks, Q8_0
-// or Q4_1 as the row's bytes say (gguf_kind_of). The bias is added after the product, as
-// GGUFLinear does.
+// layer.<linear>(x): a float32 weight is column panels and a 3-d uint8 one block panels
+// (panel_gemm.cpp), a 2-d uint8 one rows of GGUF blocks, Q8_0 or Q4_1 as the row's bytes say
+// (gguf_kind_of). The bias is added after the product, as GGUFLinear does.
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
                         const std::optional<at::Tensor>& bias) {
-  if (weight.scalar_type() != at::kByte) return panel_linear_cpu(x, weight, out_features, bias);
+  if (weight.scalar_type() != at::kByte || weight.dim() == 3) return panel_linear_cpu(x, weight, out_features, bias);
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == out_features, "decoder_layer: blocks of ",
                     out_features, " rows expected, got ", weight.sizes());
   const int64_t kind = gguf_kind_of(weight.size(1), x.size(1));

@@ -1,7 +1,8 @@
 // Float vectors of the CPU capability a library is compiled for (setup.py's variants):
 // __m512 (16 lanes) under AVX-512, __m256 (8 lanes) under AVX2, a plain 8-float struct
 // elsewhere; the few operations the linear kernels (panel_gemm.cpp, quant_matmul.cpp) need.
-// vhalves: kLanes float16 values as floats; vsum_each: lane i = the sum of v[i]'s lanes.
+// vhalves: kLanes float16 values as floats; vint8s: kLanes int8 values as floats; vsum_each:
+// lane i = the sum of v[i]'s lanes.
 // kMaxRowTile: how many activation rows a kernel keeps accumulators for per weight row
 // (AVX-512 has 32 vector registers, AVX2 16).
 #pragma once
@@ -28,6 +29,9 @@ inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
 inline void vstore(float* p, VF a) { _mm512_storeu_ps(p, a); }
 inline float vsum(VF a) { return _mm512_reduce_add_ps(a); }
 inline VF vhalves(const uint16_t* h) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))); }
+inline VF vint8s(const int8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
 // Lane i of the result: the sum of the lanes of v[i] (kLanes vectors).
 inline VF vsum_each(const VF* v) {
   __m512 a[8], b[4], c[2];
@@ -62,6 +66,9 @@ inline float vsum(VF a) {
   return _mm_cvtss_f32(s);
 }
 inline VF vhalves(const uint16_t* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
+inline VF vint8s(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
 // Lane i of the result: the sum of the lanes of v[i] (kLanes vectors).
 inline VF vsum_each(const VF* v) {
   const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
@@ -107,6 +114,11 @@ inline float vsum(VF a) {
 inline VF vhalves(const uint16_t* h) {
   VF r;
   for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits()));
+  return r;
+}
+inline VF vint8s(const int8_t* q) {
+  VF r;
+  for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(q[i]);
   return r;
 }
 inline VF vsum_each(const VF* v) {

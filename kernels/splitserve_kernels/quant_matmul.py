@@ -226,18 +226,27 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return out.view(weight.shape[0], -1).contiguous()
 
 
-def dequantize_gguf(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
-    """GGUF blocks ``[N, row bytes]`` -> float32 ``[N, in_features]``, as llama.cpp's
-    reference computes them (a product, then a sum: no FMA)."""
+def gguf_block_parts(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF blocks ``[N, row bytes]`` -> their parts, ``w = d * q + m`` per block of 32:
+    d and m float32 ``[N, blocks]``, q int8 ``[N, blocks * 32]``. Q8_0 has no m: it is -0,
+    which leaves ``d * q`` as it is (zeros' signs included); Q4_1's q are 0-15, the low
+    nibbles of the 16 bytes (weights 0-15), then the high ones (16-31)."""
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, GGUF_BLOCK_BYTES[qtype])
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, blocks, 1]
+    d = b[..., 0:2].contiguous().view(torch.float16).float().reshape(n, -1)
     if qtype == "Q8_0":
-        w = b[..., 2:].contiguous().view(torch.int8).float() * d
-    else:
-        packed = b[..., 4:]
-        q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()
-        w = d * q + b[..., 2:4].contiguous().view(torch.float16).float()
+        return d, torch.full_like(d, -0.0), b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
+    packed = b[..., 4:]
+    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).view(torch.int8).reshape(n, -1)
+    return d, b[..., 2:4].contiguous().view(torch.float16).float().reshape(n, -1), q
+
+
+def dequantize_gguf(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """GGUF blocks ``[N, row bytes]`` -> float32 ``[N, in_features]``, as llama.cpp's
+    reference computes them (a product, then a sum: no FMA; d * q is exact in float32)."""
+    d, m, q = gguf_block_parts(blocks, qtype)
+    n = blocks.shape[0]
+    w = d[..., None] * q.view(n, -1, GGUF_BLOCK).float() + m[..., None]
     return w.reshape(n, -1)[:, :in_features]
 
 

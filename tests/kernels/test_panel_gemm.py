@@ -1,4 +1,5 @@
-"""kernels/csrc/panel_gemm.cpp: pack_panels + panel_linear against the float64 reference."""
+"""kernels/csrc/panel_gemm.cpp: pack_panels + panel_linear against the float64 reference, and
+block panels (pack_block_panels) against the float32 panels of the same weights."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from splitserve_kernels import quant_matmul as qm
 from splitserve_kernels.native import native_kernels
 
 needs_native = pytest.mark.skipif(not native_kernels().available, reason="native kernels not loaded")
@@ -82,3 +84,75 @@ def test_refuses_mismatched_operands() -> None:
         torch.ops.splitserve.panel_linear(torch.zeros(1, 8, dtype=torch.float64), panels, 20, None)
     with pytest.raises(ValueError, match="weight must be float32"):
         torch.ops.splitserve.pack_panels(torch.zeros(4, 4, dtype=torch.float16))
+
+
+def _block_panels(weight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in ``qtype`` GGUF blocks: (its float32 values, its block panels)."""
+    blocks = qm.quantize_q8_0(weight) if qtype == "Q8_0" else qm.quantize_q4_1(weight)
+    dense = qm.dequantize_gguf(blocks, qtype, weight.shape[1])
+    return dense, torch.ops.splitserve.pack_block_panels(*qm.gguf_block_parts(blocks, qtype))
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 2, 6, 12, 13, 16, 64, 131, 300])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (100, 1536), (17, 32), (64, 4096)])
+def test_block_panels_give_the_float_panels_bits(qtype, rows, n, k) -> None:
+    # The same numbers (w = fma(d, q, m) rounds as d * q + m does, d * q being exact) summed
+    # in the same order: equal bits, with and without bias. Rows of one row block (turned into
+    # floats in registers) and of several (through the block buffer); n a partial last panel
+    # (100, 17); k one group (32), several key blocks (1536, 4096); 300 rows are blocks of x rows.
+    gen = torch.Generator().manual_seed(rows * 31 + n + k)
+    dense, blocks = _block_panels(torch.randn(n, k, generator=gen), qtype)
+    floats = torch.ops.splitserve.pack_panels(dense)
+    assert blocks.dtype == torch.uint8 and blocks.numel() * 3 < floats.numel() * 4  # 1.25 bytes a weight
+    x = torch.randn(rows, k + 3, generator=gen)[:, 1 : 1 + k]
+    bias = torch.randn(n, generator=gen)
+    for b in (None, bias):
+        want = torch.ops.splitserve.panel_linear(x, floats, n, b)
+        got = torch.ops.splitserve.panel_linear(x, blocks, n, b)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    torch.testing.assert_close(got, _reference(x, dense, bias), atol=2e-6 * k**0.5 * 8, rtol=1e-5)
+
+
+def test_q8_0_parts_leave_d_times_q_as_it_is() -> None:
+    # Q8_0 has no m; gguf_block_parts gives -0, and d * q + -0 is d * q, bit for bit, the sign
+    # of a zero included (a negative scale times q = 0 is -0).
+    weight = torch.linspace(-1, 1, 64).view(1, 64)
+    weight[0, ::5] = 0.0
+    blocks = qm.quantize_q8_0(weight)
+    d, m, q = qm.gguf_block_parts(blocks, "Q8_0")
+    assert torch.equal(m.view(torch.int32), torch.full_like(m, -0.0).view(torch.int32))
+    d = -d
+    product = q.float().view(1, 2, 32) * d[..., None]
+    assert (product == 0).any() and product[product == 0].signbit().any()
+    summed = d[..., None] * q.float().view(1, 2, 32) + m[..., None]
+    assert torch.equal(summed.view(torch.int32), product.view(torch.int32))
+
+
+@needs_native
+def test_block_panels_follow_scales_that_are_not_finite() -> None:
+    # A scale that is not finite (a corrupt file) gives the float32 route's NaN / infinity.
+    weight = torch.randn(32, 64)
+    d, m, q = qm.gguf_block_parts(qm.quantize_q8_0(weight), "Q8_0")
+    d[1, 0], d[2, 1], q[1, 0] = float("inf"), float("nan"), 1
+    dense = d.repeat_interleave(32, dim=1) * q.float() + m.repeat_interleave(32, dim=1)
+    x = torch.ones(3, 64)
+    want = torch.ops.splitserve.panel_linear(x, torch.ops.splitserve.pack_panels(dense), 32, None)
+    got = torch.ops.splitserve.panel_linear(x, torch.ops.splitserve.pack_block_panels(d, m, q), 32, None)
+    assert got[:, 1].isnan().all() and got[:, 2].isnan().all() and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got).view(torch.int32), torch.nan_to_num(want).view(torch.int32))
+
+
+@needs_native
+def test_block_panels_refuse_mismatched_operands() -> None:
+    d, m, q = torch.ones(8, 2), torch.zeros(8, 2), torch.zeros(8, 64, dtype=torch.int8)
+    panels = torch.ops.splitserve.pack_block_panels(d, m, q)
+    with pytest.raises(ValueError, match="x has K = 32, block panels have 64"):
+        torch.ops.splitserve.panel_linear(torch.zeros(1, 32), panels, 8, None)
+    with pytest.raises(ValueError, match="block panels must be contiguous uint8"):
+        torch.ops.splitserve.panel_linear(torch.zeros(1, 64), panels[:, :, :7], 8, None)
+    with pytest.raises(ValueError, match="q must be int8 \\[N, K\\] with K a multiple of 32"):
+        torch.ops.splitserve.pack_block_panels(d, m, torch.zeros(8, 40, dtype=torch.int8))
+    with pytest.raises(ValueError, match="d and m must be float32 \\[8, 2\\]"):
+        torch.ops.splitserve.pack_block_panels(d, torch.zeros(8, 3), q)

@@ -4,7 +4,10 @@ with float32 in one run, once per native kernel variant (not a test).
     python -m bench.quant [--threads 1] [--rounds 3] [--ppl-tokens 2048] [--isa auto,avx2] \
         [--out bench/results/quant.json]
 
-Engines: ``fp32``; ``int8`` and ``int4-g32`` / ``int4-g64`` weights (``--quantization``,
+Engines: ``fp32`` (float32 on the file's Q8_0 / Q4_1 tensors as they are stored, the
+default: engine/models/linear.py); ``fp32-dense`` (the same float32 numbers dequantized at
+load, 4 bytes a weight, as a float checkpoint's weights are: the same bits, so its ratios
+show what reading the blocks saves); ``int8`` and ``int4-g32`` / ``int4-g64`` weights (``--quantization``,
 ``--quant-group-size``); ``kv-int8`` (``--kv-cache-dtype int8``, float32 weights). On CPU
 int8 is Q8_0 and int4-g32 is Q4_1, the default model's own Q4_1 tensors kept as the file
 stores them (engine/quant/linear.py).
@@ -54,12 +57,13 @@ from splitserve.default_model import ensure_default_model
 
 CONFIGS: dict[str, dict] = {
     "fp32": {},
+    "fp32-dense": {"keep_gguf_blocks": False},
     "int8": {"quantization": "int8"},
     "int4-g32": {"quantization": "int4", "quant_group_size": 32},
     "int4-g64": {"quantization": "int4", "quant_group_size": 64},
     "kv-int8": {"kv_cache_dtype": "int8"},
 }
-BATCH64_CONFIGS = ("fp32", "int8", "int4-g32", "kv-int8")
+BATCH64_CONFIGS = ("fp32", "fp32-dense", "int8", "int4-g32", "kv-int8")
 KV_BUDGET_BYTES = 512 * 1024 * 1024
 SEQ_TOKENS = 2048
 GOALS = [  # (figure, comparison, bound)
@@ -143,6 +147,9 @@ def speed(engines: dict[str, Engine], chat_prompt: list[int], rounds: int) -> di
             "batch64_output_tok_s": best_tok_s, "batch64_output_tok_s_rounds": tok_s,
             "batch1_ms_ratio": {k: v / best_ms["fp32"] for k, v in best_ms.items()},
             "batch64_tok_s_ratio": {k: v / best_tok_s["fp32"] for k, v in best_tok_s.items()},
+            **({"batch1_tok_s_ratio_to_dense": {k: best_ms["fp32-dense"] / v for k, v in best_ms.items()},
+                "batch64_tok_s_ratio_to_dense": {k: v / best_tok_s["fp32-dense"] for k, v in best_tok_s.items()}}
+               if "fp32-dense" in best_ms else {}),
             "load_average_1m_per_round": loads}
 
 

@@ -54,6 +54,7 @@ class EngineConfig:
     quantization: str = "none"  # "none" | "int8" | "int4": weight-only, at load
     quant_group_size: int = 32  # int4: input features per scale/zero group
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "int8"
+    keep_gguf_blocks: bool = True  # float32: a GGUF file's Q8_0 / Q4_1 tensors stay blocks
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -138,7 +138,8 @@ class ModelRunner:
         self.spec = load_model_spec(config.model)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.spec)
         quant = None if config.quantization == "none" else WeightQuant(config.quantization, config.quant_group_size)
-        weights = load_weights(config.model, self.dtype, kept_gguf_types(quant, self.device, self.dtype))
+        weights = load_weights(config.model, self.dtype, kept_gguf_types(
+            quant, self.device, self.dtype, config.keep_gguf_blocks))
         self.model = LlamaModel(self.spec, self.hf_config, weights, self.max_model_len, self.device, quant)
         self.block_size = config.block_size
         self.num_kv_blocks = config.resolve_num_kv_blocks(

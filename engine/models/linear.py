@@ -18,14 +18,16 @@ read front to back by a register-blocked kernel.
   oneDNN's).
 
 A weight a GGUF file stores in Q8_0 or Q4_1 blocks (the default model's) is handed over as a
-``BlockWeight`` (engine/quant/linear.py) and its panels are block panels: per group of 32
-keys the columns' scales and the 8-bit integers, turned back into float32 inside the kernel
-(kernels/csrc/panel_gemm.cpp). The numbers and the order of the sums are the float32
-panels', so the outputs are the same bits, from 1.25 bytes a weight instead of 4. The default
-model's 120 projections, Zen 4, 2 threads: 1 row 14.7 -> 5.3 ms (AVX-512) and 14.8 -> 5.7
-(AVX2), 4 rows 14.6 -> 8.3 and 17.0 -> 8.7; from 16 rows on, where the FMAs bound the kernel,
-within a few per cent of the float32 panels (20.4 against 20.9 ms at 16, 70.0 against 71.8
-at 64). The float32 weight is still made (oneDNN's prefill, the greedy screen).
+``BlockWeight`` (engine/quant/linear.py), and calls of fewer than ``BLOCK_PANEL_ROWS`` rows
+run it as block panels: per group of 32 keys the columns' scales and 8-bit integers, turned
+back into float32 inside the kernel (kernels/csrc/panel_gemm.cpp). The numbers and the order
+of the sums are the float32 panels', so the outputs are the same bits, from 1.25 bytes a
+weight instead of 4. The conversion costs FMA-port time that more rows no longer repay: the
+default model's decode step on the engine (Zen 4, AVX-512, medians, block / float32 panels)
+at 1 thread took 21.0 / 25.0 ms at 4 rows, 29.0 / 27.3 at 6, 37.2 / 33.0 at 8, 62 / 59 at 16;
+at 2 threads 25 / 27 at 8, 40 / 38.5 at 16; the 120 projections alone at 1 row 14.7 -> 5.2
+ms (AVX-512), 14.3 -> 6.9 (AVX2). So from 5 rows the float32 panels serve, and such a layer
+holds both (its block panels a third of the float32 panels' bytes).
 
 Otherwise:
 
@@ -62,6 +64,9 @@ from splitserve_kernels.native import native_kernels
 # float32 rows below which the panel GEMM serves, per native library (module docstring); a
 # library not named here has no panel route.
 PANEL_ROWS: dict[str, float] = {"avx2": math.inf, "avx512": 129}
+# Input rows below which a layer with GGUF blocks runs its block panels, not its float32
+# panels (module docstring).
+BLOCK_PANEL_ROWS = 5
 # float32 rows from which oneDNN's packed GEMM serves where the panel GEMM does not; fewer run
 # F.linear (MKL, 0.77x of oneDNN at 1-3 rows).
 MIN_PACKED_ROWS = 4
@@ -115,11 +120,12 @@ class Linear:
         self.bias = bias
         self.packed: torch.Tensor | None = None  # set by the first packed call
         self.panels: torch.Tensor | None = None  # set by the first panel call
-        self._float_panels: torch.Tensor | None = None  # float32 panels where those are block panels
+        self.block_panels: torch.Tensor | None = None  # set by the first block panel call
         self.weight: torch.Tensor | None = weight
         float32_cpu = weight.dtype == torch.float32 and weight.device.type == "cpu"
         self.panel_rows = panel_rows() if prepack and float32_cpu else 0  # fewer rows: panels
-        # GGUF blocks whose groups of 32 tile the input, where panels serve: block panels.
+        # GGUF blocks whose groups of 32 tile the input, where panels serve: block panels below
+        # BLOCK_PANEL_ROWS rows (module docstring).
         self.blocks = blocks if self.panel_rows > 0 and self.in_features % 32 == 0 else None
         self.packable = prepack and can_prepack(weight) and self.panel_rows < math.inf
         self.min_packed_rows = MIN_PACKED_ROWS if float32_cpu else 0
@@ -128,7 +134,7 @@ class Linear:
         rows = x.shape[0]
         if rows < self.panel_rows and x.dim() == 2 and x.dtype == torch.float32:
             x = x if x.stride(-1) == 1 else x.contiguous()
-            return torch.ops.splitserve.panel_linear(x, self.packed_panels(), self.out_features, self.bias)
+            return torch.ops.splitserve.panel_linear(x, self.fused_weight(rows), self.out_features, self.bias)
         if self.packable and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -139,30 +145,23 @@ class Linear:
         (engine/models/llama.py): those the panel GEMM serves."""
         return self.panel_rows
 
-    def fused_weight(self) -> torch.Tensor:
-        """The weight as ``decoder_layer`` takes it: its column panels."""
-        return self.packed_panels()
+    def fused_weight(self, rows: int) -> torch.Tensor:
+        """The weight as the panel GEMM (and ``decoder_layer``) takes it for ``rows`` input
+        rows: block panels below ``BLOCK_PANEL_ROWS`` where the layer has GGUF blocks, else its
+        float32 column panels. Either is made at its first call."""
+        if rows >= BLOCK_PANEL_ROWS or (self.blocks is None and self.block_panels is None):
+            return self.packed_panels()
+        if self.block_panels is None:
+            self.block_panels = torch.ops.splitserve.pack_block_panels(*self.blocks.parts())
+            self.blocks = None
+        return self.block_panels
 
     def packed_panels(self) -> torch.Tensor:
-        """The weight in the panel GEMM's layout (``panel_rows``), copied at the first call:
-        block panels from GGUF blocks, else float32 panels."""
+        """The weight in the panel GEMM's float32 column panels (``panel_rows``), copied at the
+        first call."""
         if self.panels is None:
-            if self.blocks is not None:
-                self.panels = torch.ops.splitserve.pack_block_panels(*self.blocks.parts())
-                self.blocks = None
-            else:
-                self.panels = torch.ops.splitserve.pack_panels(self.weight)
+            self.panels = torch.ops.splitserve.pack_panels(self.weight)
         return self.panels
-
-    def float_panels(self) -> torch.Tensor:
-        """The weight in float32 panels, whatever ``packed_panels`` holds (the greedy screen
-        computes its candidates' logits from them: engine/models/greedy_head.py)."""
-        panels = self.packed_panels()
-        if panels.dtype == torch.float32:
-            return panels
-        if self._float_panels is None:
-            self._float_panels = torch.ops.splitserve.pack_panels(self.weight)
-        return self._float_panels
 
     def _packed(self) -> torch.Tensor:
         if self.packed is None:

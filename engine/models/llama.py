@@ -290,10 +290,10 @@ class LlamaModel:
     def _fused_layer(self, layer: _Layer, x: torch.Tensor, mlp_out: torch.Tensor | None, cos: torch.Tensor,
                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv: _KVWrite) -> torch.Tensor:
         """``_layer`` in one native call (``fused_layers``; the same ops, the same bits)."""
-        spec = self.spec
+        spec, rows = self.spec, x.shape[0]
         return torch.ops.splitserve.decoder_layer(
-            x, mlp_out, layer.input_norm, layer.qkv.fused_weight(), layer.qkv.bias, layer.o.fused_weight(),
-            layer.post_norm, layer.gate_up.fused_weight(), layer.down.fused_weight(), cos, sin, k_cache, v_cache,
-            kv.slot_mapping, kv.block_tables, kv.seq_lens, kv.query_start_loc, spec.num_heads, spec.num_kv_heads,
+            x, mlp_out, layer.input_norm, layer.qkv.fused_weight(rows), layer.qkv.bias, layer.o.fused_weight(rows),
+            layer.post_norm, layer.gate_up.fused_weight(rows), layer.down.fused_weight(rows), cos, sin, k_cache,
+            v_cache, kv.slot_mapping, kv.block_tables, kv.seq_lens, kv.query_start_loc, spec.num_heads, spec.num_kv_heads,
             spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, self.scale,
         )

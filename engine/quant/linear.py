@@ -205,8 +205,9 @@ class GGUFLinear:
         # ``decoder_layer`` (engine/models/llama.py) runs the native kernel at every row count.
         self.fused_rows = math.inf if self.native else 0
 
-    def fused_weight(self) -> torch.Tensor:
-        """The weight as ``decoder_layer`` takes it: the blocks, each row Q8_0's or Q4_1's bytes."""
+    def fused_weight(self, rows: int) -> torch.Tensor:
+        """The weight as ``decoder_layer`` takes it at any row count: the blocks, each row Q8_0's
+        or Q4_1's bytes."""
         return self.blocks
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]

@@ -75,18 +75,19 @@ def test_quantized_engine_on_kept_blocks_equals_its_torch_reference(
 def test_float32_engine_on_block_panels_gives_the_dequantized_weights_bits(
         prompts: list[list[int]], qtype: str, tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
     # Unquantized float32 keeps the file's Q4_1 / Q8_0 tensors and computes with them as block
-    # panels (engine/models/linear.py): the same tokens and the same logprobs, bit for bit, as
-    # the engine built from the dequantized weights (float32 panels), prefill and decode, one
-    # sequence (the fused layer's one row block) and a batch.
+    # panels below BLOCK_PANEL_ROWS rows (engine/models/linear.py: here every decode step, 1
+    # or 3 rows, and the LM head's logits): the same tokens and the same logprobs, bit for bit,
+    # as the engine built from the dequantized weights (float32 panels only).
     path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype=qtype))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     blocks = Engine(EngineConfig(model=path, num_kv_blocks=64))
     got = blocks.generate(prompts, params)
     model = blocks.runner.model
     linears = [model.lm_head] + [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    assert all(lin.packed_panels().dtype == torch.uint8 for lin in linears)
+    assert all(lin.block_panels is not None and lin.block_panels.dtype == torch.uint8 for lin in linears)
     floats = Engine(EngineConfig(model=path, num_kv_blocks=64, keep_gguf_blocks=False))
-    assert floats.runner.model.layers[0].qkv.packed_panels().dtype == torch.float32
+    assert all(lin.blocks is None and lin.block_panels is None for lin in (floats.runner.model.layers[0].qkv,
+                                                                           floats.runner.model.lm_head))
     want = floats.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]

@@ -13,7 +13,6 @@ reservations still run out and free their blocks.
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -28,15 +27,9 @@ NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 12, 240, 6
 DECODE_METRICS: dict[str, int] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _metric(name: str) -> float:
     """The decode worker's counter ``name`` (summed over its label sets)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{DECODE_METRICS['port']}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://{DECODE_METRICS['address']}/metrics", timeout=5).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
 
@@ -44,11 +37,13 @@ def _metric(name: str) -> float:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs-lease")
-    DECODE_METRICS["port"] = _free_port()
-    with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(logs),
+    # Every service's metrics on a port of its own choosing (metrics_port=0), read back from
+    # the cluster: a port picked free here could be taken by another test's process before the
+    # worker binds it (it was, once, in a parallel run).
+    with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(logs), metrics_port=0,
                  gateway_flags=["--lease-ms", "2000", "--local-prefill-max-tokens", "0"],
-                 prefill_flags=["--max-num-seqs", "1", "--max-num-batched-tokens", "2"],
-                 decode_flags=["--metrics-port", str(DECODE_METRICS["port"])]) as c:
+                 prefill_flags=["--max-num-seqs", "1", "--max-num-batched-tokens", "2"]) as c:
+        DECODE_METRICS["address"] = c.metrics_addresses["decode-0"]
         # The pair's first transfer opens its KV channel (a Gloo rendezvous that can take
         # seconds on a busy machine): done once here, before any lease is measured.
         warm = stream(c.addresses["gateway"], greedy_requests([list(range(40, 80))], [2])[0], 120)

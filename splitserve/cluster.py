@@ -83,7 +83,8 @@ class Cluster:
                  decode_flags: list[str] | None = None, metrics_port: int = -1,
                  log_dir: str | None = None, log_level: str = "info", tls: Bundle | None = None,
                  api_keys: list[str] | None = None, http_port: int | None = None,
-                 http_flags: list[str] | None = None, num_gateways: int = 1,
+                 http_flags: list[str] | None = None, http_gateways: list[str] | None = None,
+                 num_gateways: int = 1,
                  gateway_hosts: list[str] | None = None, gateway_internal_port: int = 0,
                  gateway_discovery: str | None = None, internal_secret: str | None = None,
                  early_workers: bool = False) -> None:
@@ -104,6 +105,7 @@ class Cluster:
         self.log_level = log_level
         self.http_port = http_port  # None: no HTTP front; 0: a free port (addresses["http"])
         self.http_flags = http_flags or []
+        self.http_gateways = http_gateways or []  # other deployments' gateways the front also calls
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.addresses: dict[str, str] = {}
         self._commands: dict[str, tuple[str, list[str]]] = {}  # name -> (role, flags), for restart
@@ -238,7 +240,8 @@ class Cluster:
 
     def _start_http(self, timeout_s: float | None) -> None:
         """The OpenAI-compatible front (``splitserve http``), a client of every gateway replica."""
-        flags = ["--gateway", ",".join(self.gateway_addresses), "--http-port", str(self.http_port)]
+        gateways = [*self.http_gateways, *self.gateway_addresses]
+        flags = ["--gateway", ",".join(gateways), "--http-port", str(self.http_port)]
         if self.tls:
             flags += ["--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         proc, ready = self._spawn("http", "http", [*flags, *self.http_flags])

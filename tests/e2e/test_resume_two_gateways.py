@@ -10,7 +10,6 @@ block is held afterwards on either side.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import socket
 import time
 from collections.abc import Iterator
 
@@ -29,21 +28,14 @@ from tests.e2e.test_resume import (MAX_TOKENS, PATIENT, PROMPTS, Received, _open
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_resume_two")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Cluster]]:
     logs = tmp_path_factory.mktemp("logs-resume-two")
     flags = {"num_prefill": 0, "num_decode": 1, "gateway_flags": ["--startup-grace-s", "30"]}
     with Cluster(MODEL, log_dir=str(logs / "a"), **flags) as a:  # type: ignore[arg-type]
-        port_b = _free_port()
-        both = f"{a.addresses['gateway']},127.0.0.1:{port_b}"
-        with Cluster(MODEL, port=port_b, log_dir=str(logs / "b"), http_port=0,  # type: ignore[arg-type]
-                     http_flags=["--gateway", both, "--max-resumes", "200"], **flags) as b:
+        # B's front goes round-robin over A's gateway and B's own.
+        with Cluster(MODEL, log_dir=str(logs / "b"), http_port=0, http_gateways=[a.addresses["gateway"]],  # type: ignore[arg-type]
+                     http_flags=["--max-resumes", "200"], **flags) as b:
             yield a, b
 
 

@@ -31,36 +31,21 @@ LENGTHS = [1, 3, 7, 15, 16, 17, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 80, 96, 
 MAX_TOKENS = [8 + (7 * i) % 41 for i in range(len(LENGTHS))]
 
 
-def free_port() -> int:
+def free_port() -> int:  # the README's commands name a port (test_up_and_generate_commands_from_the_readme)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-METRICS_PORTS: dict[str, int] = {}  # chosen by the cluster fixture, just before it starts
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
-    for attempt in range(3):  # a port free when probed can be taken before the service binds it
-        METRICS_PORTS.update({"gateway": free_port(), "decode-0": free_port()})
-        c = Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(tmp_path_factory.mktemp("logs-1x1")),
-                    # Spill off: these tests say which prompts go remote by their length alone.
-                    gateway_flags=["--local-prefill-max-tokens", "32", "--local-prefill-spill-tokens", "0",
-                                   "--metrics-port", str(METRICS_PORTS["gateway"])],
-                    decode_flags=["--metrics-port", str(METRICS_PORTS["decode-0"])])
-        try:
-            c.start()
-        except RuntimeError:  # a service exited before it was ready (its log says why)
-            c.stop(grace_s=5)
-            if attempt == 2:
-                raise
-            continue
-        try:
-            yield c
-        finally:
-            c.stop()
-        return
+    # Each metrics endpoint binds a port of its own choosing (0); the cluster reads it back.
+    with Cluster(MODEL, num_prefill=1, num_decode=1, log_dir=str(tmp_path_factory.mktemp("logs-1x1")),
+                 # Spill off: these tests say which prompts go remote by their length alone.
+                 gateway_flags=["--local-prefill-max-tokens", "32", "--local-prefill-spill-tokens", "0",
+                                "--metrics-port", "0"],
+                 decode_flags=["--metrics-port", "0"]) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +167,15 @@ def test_client_cancel_mid_stream_frees_both_workers_within_2s(cluster: Cluster)
 
 def test_expired_deadline_frees_both_workers_within_2s(cluster: Cluster) -> None:
     gw = cluster.addresses["gateway"]
-    res = stream(gw, make_request(list(range(200, 300)), 400, ignore_eos=True), timeout=0.5)
-    assert res.error == grpc.StatusCode.DEADLINE_EXCEEDED
+    request = make_request(list(range(200, 300)), 400, ignore_eos=True)
+    # The deadline falls halfway between the first token and the last, as this machine runs the
+    # request undisturbed: mid-decode, with blocks held on both workers. (A fixed 0.5 s stopped
+    # expiring once 400 tokens of the test model took 0.44 s.)
+    whole = stream(gw, request)
+    assert whole.error is None, whole.details
+    halfway_s = (whole.timings.first_token_us + whole.timings.total_us) / 2e6
+    res = stream(gw, request, timeout=halfway_s)
+    assert res.error == grpc.StatusCode.DEADLINE_EXCEEDED, (halfway_s, len(res.token_ids))
     stats = wait_all_free(gw, within_s=2.0)
     assert all(idle(s) for s in stats.values()), stats
 
@@ -248,8 +240,8 @@ def test_sigterm_drains_and_every_process_exits_cleanly(tmp_path) -> None:  # no
         assert "draining" in log and "stopped" in log, name
 
 
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+def _scrape(address: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -261,17 +253,17 @@ def _scrape(port: int) -> dict[str, float]:
 def test_prometheus_metrics_count_what_was_served(cluster: Cluster) -> None:
     res = stream(cluster.addresses["gateway"], make_request(list(range(500, 580)), 6))
     assert res.error is None
-    gw = _scrape(METRICS_PORTS["gateway"])
+    gw = _scrape(cluster.metrics_addresses["gateway"])
     assert gw['splitserve_ttft_seconds_count{model="target"}'] >= 1  # every sample names the model
     assert gw['splitserve_inter_token_latency_seconds_count{model="target"}'] >= 1
-    dec = _scrape(METRICS_PORTS["decode-0"])
+    dec = _scrape(cluster.metrics_addresses["decode-0"])
     assert dec['splitserve_kv_transfer_bytes_total{model="target",role="decode"}'] >= res.timings.transfer_bytes > 0
     assert dec['splitserve_kv_blocks_free{model="target",role="decode"}'] > 0
     assert 'splitserve_spec_decode_draft_tokens_total{model="target",role="decode"}' in dec
     # The remotely prefilled request's 5 tokens after the first: 5 decode steps here, no prefill.
     again = stream(cluster.addresses["gateway"], make_request(list(range(700, 780)), 6))
     assert again.error is None and again.timings.transfer_bytes > 0
-    after = _scrape(METRICS_PORTS["decode-0"])
+    after = _scrape(cluster.metrics_addresses["decode-0"])
     step = 'splitserve_engine_step_seconds_count{kind="%s",model="target",role="decode"}'
     assert after[step % "decode"] - dec[step % "decode"] == 5
     assert after.get(step % "prefill", 0.0) == dec.get(step % "prefill", 0.0)
@@ -340,7 +332,7 @@ def test_only_the_blocks_the_decode_worker_lacks_travel(cluster: Cluster) -> Non
     first, second = prefix + list(range(2100, 2200)), prefix + list(range(2200, 2300))  # 164 tokens: 11 blocks
     before = worker_stats(gw)[decode]
     hits = 'splitserve_prefix_cache_hit_tokens_total{model="target",role="decode"}'
-    scraped = _scrape(METRICS_PORTS["decode-0"]).get(hits, 0.0)
+    scraped = _scrape(cluster.metrics_addresses["decode-0"]).get(hits, 0.0)
     res1 = stream(gw, make_request(first, 6))
     res2 = stream(gw, make_request(second, 6))
     assert res1.error is None and res2.error is None
@@ -350,7 +342,7 @@ def test_only_the_blocks_the_decode_worker_lacks_travel(cluster: Cluster) -> Non
     after = worker_stats(gw)[decode]
     assert after.num_cached_prompt_tokens - before.num_cached_prompt_tokens == 64
     assert after.num_received_prompt_tokens - before.num_received_prompt_tokens == 164 + 100
-    assert _scrape(METRICS_PORTS["decode-0"])[hits] - scraped == 64
+    assert _scrape(cluster.metrics_addresses["decode-0"])[hits] - scraped == 64
     engine = Engine(EngineConfig(model=MODEL, num_threads=1))
     expected = engine.generate([first, second], SamplingParams(temperature=0.0, max_tokens=6))
     assert [res1.token_ids, res2.token_ids] == [o.token_ids for o in expected]

@@ -13,7 +13,6 @@ import datetime as dt
 import json
 import secrets
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -47,15 +46,6 @@ LENGTHS, MAX_TOKENS = [5, 20, 40, 64, 100, 150], [12, 9, 16, 10, 14, 8]  # >= 32
 INTERNAL = ("gateway-internal", "prefill-0", "decode-0")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-METRICS_PORT = free_port()
-
-
 @pytest.fixture(scope="module")
 def ca() -> Issued:
     return make_ca()
@@ -71,7 +61,7 @@ def cluster(bundle: Bundle, tmp_path_factory: pytest.TempPathFactory) -> Cluster
     logs = tmp_path_factory.mktemp("logs-secure")
     with Cluster(MODEL, tls=bundle, api_keys=[KEY], log_dir=str(logs), log_level="debug",
                  gateway_flags=["--local-prefill-max-tokens", "32", "--local-prefill-spill-tokens", "0",
-                                "--metrics-port", str(METRICS_PORT)]) as c:
+                                "--metrics-port", "0"]) as c:  # a port of its own choosing
         yield c
 
 
@@ -131,9 +121,9 @@ def test_greedy_parity_through_tls_and_mtls(cluster: Cluster, reference) -> None
         assert (timings.transfer_bytes > 0) == (len(prompt) >= 32), len(prompt)  # remote prefill over mTLS
 
 
-def _metric(name: str, labels: dict[str, str]) -> float:
+def _metric(cluster: Cluster, name: str, labels: dict[str, str]) -> float:
     """The sample ``name`` whose labels include ``labels`` (every sample also names the model)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://{cluster.metrics_addresses['gateway']}/metrics", timeout=5).read().decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and labels.items() <= sample.labels.items():
@@ -143,15 +133,15 @@ def _metric(name: str, labels: dict[str, str]) -> float:
 
 def test_the_public_api_needs_an_api_key(cluster: Cluster, reference) -> None:  # noqa: ANN001
     prompts, expected, _ = reference
-    before = {r: _metric("splitserve_auth_failures_total", {"surface": "public", "reason": r})
+    before = {r: _metric(cluster, "splitserve_auth_failures_total", {"surface": "public", "reason": r})
               for r in ("missing", "invalid")}
     for token, reason in ((None, "missing"), ("sk-wrong", "invalid"), (KEY[:-1], "invalid")):
         auth = ClientAuth(tls=cluster.client.tls, token=token)
         with pytest.raises(grpc.RpcError) as info:
             _generate(cluster, prompts[0], 4, auth)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, reason
-    assert _metric("splitserve_auth_failures_total", {"surface": "public", "reason": "missing"}) == before["missing"] + 1
-    assert _metric("splitserve_auth_failures_total", {"surface": "public", "reason": "invalid"}) == before["invalid"] + 2
+    assert _metric(cluster, "splitserve_auth_failures_total", {"surface": "public", "reason": "missing"}) == before["missing"] + 1
+    assert _metric(cluster, "splitserve_auth_failures_total", {"surface": "public", "reason": "invalid"}) == before["invalid"] + 2
     # TLS only on the public port (no client certificate asked), the key is what counts.
     keyed = ClientAuth(tls=TlsConfig(ca_file=cluster.client.tls.ca_file), token=KEY)
     assert _generate(cluster, prompts[0], MAX_TOKENS[0], keyed)[0] == expected[0]

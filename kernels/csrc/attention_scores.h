@@ -80,6 +80,14 @@ inline void scores_transposed(const float* q, const float* kt, int head_dim, flo
   }
 }
 
+// Ask for one float key or value row of kD floats (into L2, as prefetch_rows does).
+template <int kD>
+inline void prefetch_row(const float* row) {
+  for (int b = 0; b < kD * static_cast<int>(sizeof(float)); b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 2);
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kHasDirectScores = true;
 
@@ -104,14 +112,17 @@ inline __m512 sum_each_of_16(const __m512* v) {
 }
 
 // s[0:16] straight from n <= 16 float key rows (slot_stride apart); s[t] = 0 for t >= n.
+// With `ahead`, its first `ahead_n` rows (slot_stride apart) are asked for, one per key scored.
 template <int kD>
-inline void scores_direct(const float* q, const float* k, int64_t slot_stride, int n, float* s) {
+inline void scores_direct(const float* q, const float* k, int64_t slot_stride, int n, float* s,
+                          const float* ahead = nullptr, int ahead_n = 0) {
   static_assert(kD > 0 && kD % 16 == 0, "the direct path needs a head_dim of whole vectors");
   constexpr int kN = kD / 16;
   __m512 qv[kN], partial[16];
   for (int j = 0; j < kN; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
   if (n == 16) {  // a whole chunk: no test per key, so the compiler unrolls it
     for (int t = 0; t < 16; ++t) {
+      if (t < ahead_n) prefetch_row<kD>(ahead + t * slot_stride);
       const float* row = k + t * slot_stride;
       __m512 acc = _mm512_setzero_ps();
       for (int j = 0; j < kN; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(row + 16 * j), acc);
@@ -119,6 +130,7 @@ inline void scores_direct(const float* q, const float* k, int64_t slot_stride, i
     }
   } else {
     for (int t = 0; t < 16; ++t) {
+      if (t < ahead_n) prefetch_row<kD>(ahead + t * slot_stride);
       __m512 acc = _mm512_setzero_ps();
       if (t < n) {
         const float* row = k + t * slot_stride;
@@ -144,7 +156,8 @@ inline __m256 sum_each_of_8(const __m256* v) {
 
 // s[0:8] for 8 whole key rows: all trip counts are constants, so this unrolls without a test.
 template <int kD>
-inline void scores_direct_8(const float* q, const float* k, int64_t slot_stride, float* s) {
+inline void scores_direct_8(const float* q, const float* k, int64_t slot_stride, float* s,
+                            const float* ahead, int ahead_n) {
   constexpr int kN = kD / 8;
   constexpr int kQPart = 4;
   static_assert(kN % kQPart == 0, "whole parts of q (head_dim 32, 64, 96, 128)");
@@ -154,6 +167,7 @@ inline void scores_direct_8(const float* q, const float* k, int64_t slot_stride,
     __m256 qv[kQPart];
     for (int j = 0; j < kQPart; ++j) qv[j] = _mm256_loadu_ps(q + 8 * (j0 + j));
     for (int t = 0; t < 8; ++t) {
+      if (j0 == 0 && t < ahead_n) prefetch_row<kD>(ahead + t * slot_stride);  // one row per key
       const float* row = k + t * slot_stride + 8 * j0;
       for (int j = 0; j < kQPart; ++j) partial[t] = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(row + 8 * j), partial[t]);
     }
@@ -164,15 +178,18 @@ inline void scores_direct_8(const float* q, const float* k, int64_t slot_stride,
 // As the AVX-512 version, eight keys at a time: q is taken four vectors at a time, so its
 // part and the eight keys' partial sums fit the 16 vector registers.
 template <int kD>
-inline void scores_direct(const float* q, const float* k, int64_t slot_stride, int n, float* s) {
+inline void scores_direct(const float* q, const float* k, int64_t slot_stride, int n, float* s,
+                          const float* ahead = nullptr, int ahead_n = 0) {
   static_assert(kD > 0 && kD % 16 == 0, "the direct path needs a head_dim of whole vectors");
   constexpr int kN = kD / 8;
   constexpr int kQPart = 4;
   if (n == kChunk) {
-    scores_direct_8<kD>(q, k, slot_stride, s);
-    scores_direct_8<kD>(q, k + 8 * slot_stride, slot_stride, s + 8);
+    scores_direct_8<kD>(q, k, slot_stride, s, ahead, ahead_n);
+    scores_direct_8<kD>(q, k + 8 * slot_stride, slot_stride, s + 8,
+                        ahead_n > 8 ? ahead + 8 * slot_stride : nullptr, ahead_n - 8);
     return;
   }
+  for (int t = 0; t < ahead_n; ++t) prefetch_row<kD>(ahead + t * slot_stride);
   for (int t0 = 0; t0 < kChunk; t0 += 8) {
     if (t0 >= n) {
       _mm256_storeu_ps(s + t0, _mm256_setzero_ps());
@@ -199,7 +216,7 @@ inline void scores_direct(const float* q, const float* k, int64_t slot_stride, i
 constexpr bool kHasDirectScores = false;
 
 template <int kD>
-inline void scores_direct(const float*, const float*, int64_t, int, float*) {}
+inline void scores_direct(const float*, const float*, int64_t, int, float*, const float* = nullptr, int = 0) {}
 #endif
 
 }  // namespace splitserve

@@ -246,8 +246,9 @@ const float* value_rows(const scalar_t* v, int64_t slot_stride, int n, int D, Sc
 // and the K pass's last chunk asks for the V pass's first rows. The same benchmark, in one
 // process, burst -> spread, medians of 10: 64 x 200 keys 31.6 -> 24.1 ms (AVX-512), 36.9 ->
 // 30.3 (AVX2); 16 x 320 keys 13.9 -> 10.7 (AVX-512), 13.2 -> 10.0 (AVX2); one thread, 64 x
-// 200, 55.2 -> 46.6 with the rows asked for by the first query row alone. Prefill tiles and
-// int8 rows keep the chunk ahead (prefetch_ahead).
+// 200, 55.2 -> 46.6 with the rows asked for by the first query row alone. An int8 decode item
+// asks for the next chunk's rows one per row it converts (dequantize_rows). Prefill tiles keep
+// the chunk ahead (prefetch_ahead).
 template <typename elem_t>
 inline void prefetch_rows(const elem_t* p, int64_t slot_stride, int n, int64_t row_bytes) {
   for (int t = 0; t < n; ++t) {
@@ -332,25 +333,27 @@ void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
                 : page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head;
   };
   // A chunk's n K rows (kKeys) or V rows as float, and their stride: in place in a float cache,
-  // or dequantized into scratch from an int8 one, whose rows kPrefetchChunks ahead are asked for
-  // here (a float cache's next rows are asked for among the arithmetic: `ahead` below).
-  int64_t prefetched = w.key_begin;
+  // or dequantized into scratch from an int8 one. The next chunk's rows are asked for a few at a
+  // time among the work on this one (module comment at prefetch_rows).
   auto chunk_rows = [&](auto keys, int pos, int64_t& stride) {
     constexpr bool kKeys = decltype(keys)::value;
     int n = 0;
     const int64_t at = chunk_at(kKeys, pos, n);
     if (int8) {
-      prefetch_ahead<kKeys, !kKeys>(c, w, pages, pos + static_cast<int64_t>(kPrefetchChunks) * kChunk, n, prefetched);
+      // The next chunk's rows (after the K pass's last, the V pass's first), one per row converted.
+      int ahead_n = 0;
+      const int8_t* ahead = nullptr;
+      if (pos + n < w.key_end) ahead = (kKeys ? c.k8 : c.v8) + chunk_at(kKeys, pos + n, ahead_n);
+      else if (kKeys && g.v_slot == g.k_slot) ahead = c.v8 + chunk_at(false, w.key_begin, ahead_n);
       float* rows_f = kKeys ? sc.krows.data() : sc.vrows.data();
-      dequantize_rows((kKeys ? c.k8 : c.v8) + at, kKeys ? g.k_slot : g.v_slot, n, kD, rows_f);
+      dequantize_rows((kKeys ? c.k8 : c.v8) + at, kKeys ? g.k_slot : g.v_slot, n, kD, rows_f, ahead, ahead_n);
       stride = kD;
       return static_cast<const float*>(rows_f);
     }
     stride = kKeys ? g.k_slot : g.v_slot;
     return (kKeys ? c.k : c.v) + at;
   };
-  // A float cache's next chunk, K (keys) or V rows: asked for a few rows at a time while this
-  // chunk's are multiplied, rather than all of them before (module comment at prefetch_rows).
+  // A float cache's next chunk, K (keys) or V rows, to ask for while this one is multiplied.
   auto ahead_of = [&](bool keys, int pos, int& count) -> const float* {
     if (int8) return nullptr;
     const int64_t at = chunk_at(keys, pos, count);
@@ -392,7 +395,6 @@ void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
   }
   float alpha[kAccRows];  // no rescaling: every p already has the row's final max
   std::fill(alpha, alpha + kAccRows, 1.0f);
-  prefetched = w.key_begin;
   for_each_chunk(g, w, pages, [&](int pos, int n, int64_t, int64_t) {
     int64_t v_stride = 0;
     const float* vf = chunk_rows(std::false_type{}, pos, v_stride);

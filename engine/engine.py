@@ -12,7 +12,7 @@ unpack, admit) is the part it holds as ``handoff`` (``engine/kv_handoff.py``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import structlog
@@ -77,6 +77,7 @@ class Engine(StructuredOutput):
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Outputs of requests that finished on admission (admit_prefilled), for step().
         self._early_outputs: list[RequestOutput] = []
+        self._preparations: Iterator[str] | None = None  # prepare_some's progress
         # The KV hand-off API (reserve / unpack / admit; hold / pack / release), a part of this engine.
         self.handoff = KVHandoff(self)
 
@@ -183,6 +184,15 @@ class Engine(StructuredOutput):
         """True while a request is queued or running, or an output is still to be returned.
         Held and reserved blocks do not count: they wait on the caller, not on ``step()``."""
         return self.scheduler.has_unfinished() or bool(self._early_outputs) or bool(self._pending_grammars)
+
+    def prepare_some(self) -> bool:
+        """Make one piece of what the model's first calls would make lazily (its packed
+        weights: ``LlamaModel.preparations``); False once nothing is left. For an idle engine:
+        a piece takes milliseconds (the LM head's, a tenth of a second), and the results are
+        the ones the first calls would have made."""
+        if self._preparations is None:
+            self._preparations = self.runner.model.preparations()
+        return next(self._preparations, None) is not None
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -61,6 +61,11 @@ class GreedyHead:
         # A weight that is not finite gives logits argmax would pick as NaN: no screen for it.
         self.usable = bool(torch.isfinite(self.norms).all())
 
+    def prepare(self) -> None:
+        """Make the bfloat16 copy and the norms now (what the first call would)."""
+        if self.panels16 is None:
+            self._prepare()
+
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:  # [rows, K] -> [rows] int64
         """Each row's greedy token, or None when a row needs the logits (then none is given)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] >= self.head.fused_rows:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 
 import structlog
 import torch
@@ -162,6 +163,21 @@ class Linear:
         if self.panels is None:
             self.panels = torch.ops.splitserve.pack_panels(self.weight)
         return self.panels
+
+    def preparations(self) -> Iterator[str]:
+        """Make, one per step, every form of the weight some row count's call would make at
+        its first use (module docstring): oneDNN's packing, the block panels, the float32
+        panels. Yields each form's name once it is made; the forms are the first call's, so the
+        outputs are the same bits whether a form was made here or by a call."""
+        if self.packable and self.weight is not None and self.packed is None:
+            self._packed()
+            yield "onednn"
+        if self.blocks is not None and self.block_panels is None:
+            self.fused_weight(1)
+            yield "block_panels"
+        if self.panel_rows > 0 and self.weight is not None and self.panels is None:
+            self.packed_panels()
+            yield "panels"
 
     def _packed(self) -> torch.Tensor:
         if self.packed is None:

@@ -24,6 +24,7 @@ bound where the CPU has AVX512_BF16 (engine/models/greedy_head.py), the same tok
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,21 @@ class LlamaModel:
         sin = (emb.sin() * scaling).to(self.dtype)
         half = sin.shape[-1] // 2
         self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device)
+
+    def preparations(self) -> Iterator[str]:
+        """What the first calls would make lazily (each ``Linear``'s packed forms, the greedy
+        head's screen), one piece per step, to run while the engine is idle
+        (engine/engine_thread.py): a worker's first requests then run at full speed. Yields a
+        name per piece; the pieces are the same as the first calls make."""
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if isinstance(lin, Linear):
+                    yield from lin.preparations()
+        if isinstance(self.lm_head, Linear):
+            yield from self.lm_head.preparations()
+        if self.greedy_head is not None:
+            self.greedy_head.prepare()
+            yield "greedy_head"
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)
 
+    def prepare_some(self) -> bool:  # nothing to prepare (FakePreparingEngine has pieces)
+        return False
+
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         self.num_steps += 1
@@ -107,3 +110,65 @@ def test_each_step_is_reported_with_its_kind() -> None:
     finally:
         loop.stop()
     assert [prefill for _, prefill in steps] == [True, False] and all(s >= 0 for s, _ in steps)
+
+
+class FakePreparingEngine(FakeEngine):
+    """``pieces`` pieces of lazy preparation; the first waits for ``release``. Every piece,
+    call and step goes into ``log`` in the order the loop ran them."""
+
+    def __init__(self, pieces: int) -> None:
+        super().__init__()
+        self.pieces = pieces
+        self.done = 0
+        self.log: list[str] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def prepare_some(self) -> bool:
+        if self.done == 0:
+            self.started.set()
+            assert self.release.wait(5)
+        self.log.append(f"prep{self.done}")
+        self.done += 1
+        return self.done < self.pieces
+
+    def step(self) -> list[RequestOutput]:
+        self.log.append("step")
+        return super().step()
+
+
+def test_an_idle_loop_prepares_piece_by_piece_and_serves_calls_and_steps_first() -> None:
+    # A call (here one that queues a request) made while a piece is being made runs right after
+    # that piece, then the request's step, and only then, idle again, the next piece: the
+    # preparation never holds back work by more than one piece, and stops once all are made.
+    engine = FakePreparingEngine(pieces=3)
+    loop = EngineThread(engine, lambda outs: None)
+    loop.start()
+    try:
+        assert engine.started.wait(5)
+        queued = loop.call(lambda e: (e.log.append("call"), e.pending.append("a")))
+        engine.release.set()
+        queued.result(5)
+        assert loop.call(lambda e: None).result(5) is None
+        while engine.done < 3:
+            threading.Event().wait(0.01)
+        loop.call(lambda e: None).result(5)  # a few idle iterations later: no fourth piece
+        threading.Event().wait(0.1)
+    finally:
+        loop.stop()
+    assert engine.log == ["prep0", "call", "step", "prep1", "prep2"]
+
+
+def test_a_loop_told_not_to_prepare_never_does() -> None:
+    engine = FakePreparingEngine(pieces=3)
+    engine.release.set()
+    loop = EngineThread(engine, lambda outs: None, prepare_when_idle=False)
+    loop.start()
+    try:
+        loop.call(lambda e: e.pending.append("a")).result(5)
+        while engine.num_steps < 1:
+            threading.Event().wait(0.01)
+        loop.call(lambda e: None).result(5)
+    finally:
+        loop.stop()
+    assert engine.log == ["step"] and engine.done == 0

@@ -1,0 +1,68 @@
+"""Engine.prepare_some (what an idle engine thread runs): every packed form of every linear
+made ahead of its first call, and not one output bit changed by it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.models.linear import Linear
+from splitserve_kernels.native import native_kernels
+from tests.engine.gguf_files import checkpoint_to_gguf
+
+needs_native = pytest.mark.skipif(not native_kernels().available, reason="the packed forms are the native kernels'")
+# Each form of the weight serves some of these steps (engine/models/linear.py): six short prompts
+# (a 71-row prefill and 6-row decodes: float32 panels), one of 160 tokens (oneDNN from 129 rows
+# on AVX-512) decoded alone (1 row: block panels).
+SHORT = [[5, 17, 300, 42, 7, 99, 1, 250], [3] * 20, list(range(40, 52)), [9] * 9, list(range(100, 115)), [11] * 7]
+LONG = [[(7 * i) % 500 + 3 for i in range(160)]]
+
+
+def _linears(engine: Engine) -> list[Linear]:
+    model = engine.runner.model
+    found = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return [lin for lin in [*found, model.lm_head] if isinstance(lin, Linear)]
+
+
+def _prepare_all(engine: Engine) -> int:
+    pieces = 0
+    while engine.prepare_some():
+        pieces += 1
+        assert pieces < 10_000
+    return pieces + 1
+
+
+@needs_native
+def test_prepared_engine_has_every_form_and_the_same_outputs(tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
+    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype="Q4_1"))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prepared = Engine(EngineConfig(model=path, num_kv_blocks=64))
+    linears = _linears(prepared)
+    assert linears and all(lin.panels is None and lin.block_panels is None and lin.packed is None for lin in linears)
+    pieces = _prepare_all(prepared)
+    for lin in linears:
+        assert lin.panels is not None  # float32 panels (rows from BLOCK_PANEL_ROWS)
+        assert lin.block_panels is not None and lin.blocks is None  # the file's Q4_1 blocks (fewer rows)
+        assert (lin.packed is not None) == lin.packable  # oneDNN's packing where it serves some rows
+    head = prepared.runner.model.greedy_head
+    assert head is None or head.panels16 is not None
+    assert pieces >= 2 * len(linears)
+    assert not prepared.prepare_some()  # nothing is made twice
+    fresh = Engine(EngineConfig(model=path, num_kv_blocks=64))
+    for prompts in (SHORT, LONG):
+        got, want = prepared.generate(prompts, params), fresh.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.logprobs for o in got] == [o.logprobs for o in want]  # bit for bit
+
+
+def test_a_checkpoint_without_blocks_gets_panels_and_no_block_panels(ckpt_dir: Callable[..., Path]) -> None:
+    engine = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=64))  # safetensors: no GGUF blocks
+    _prepare_all(engine)
+    assert not engine.prepare_some()
+    for lin in _linears(engine):
+        assert lin.block_panels is None
+        assert (lin.panels is not None) == (lin.panel_rows > 0)
+        assert (lin.packed is not None) == lin.packable

@@ -27,7 +27,12 @@ default model's decode step on the engine (Zen 4, AVX-512, medians, block / floa
 at 1 thread took 21.0 / 25.0 ms at 4 rows, 29.0 / 27.3 at 6, 37.2 / 33.0 at 8, 62 / 59 at 16;
 at 2 threads 25 / 27 at 8, 40 / 38.5 at 16; the 120 projections alone at 1 row 14.7 -> 5.2
 ms (AVX-512), 14.3 -> 6.9 (AVX2). So from 5 rows the float32 panels serve, and such a layer
-holds both (its block panels a third of the float32 panels' bytes).
+holds both (its block panels a third of the float32 panels' bytes). That crossover is the
+CPU's: on an AMD EPYC Zen 5 (2 threads, the 120 projections, block / float32 panels) AVX-512
+took 8.3 / 11.5 ms at 5 rows, 14.5 / 13.5 at 12 (one row block: conversion in registers),
+13.4 / 15.2 at 16, and AVX2 9.5 / 14.1 at 5, 21.0 / 20.6 at 16. So the model's linears share a
+``BlockRows`` choice per row count: below 5 rows until an idle engine has timed both forms on
+them at 1 to ``CALIBRATED_ROWS`` rows (``measure_block_rows``), then the faster.
 
 Otherwise:
 
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Iterator
 
 import structlog
@@ -66,8 +72,12 @@ from splitserve_kernels.native import native_kernels
 # library not named here has no panel route.
 PANEL_ROWS: dict[str, float] = {"avx2": math.inf, "avx512": 129}
 # Input rows below which a layer with GGUF blocks runs its block panels, not its float32
-# panels (module docstring).
+# panels, until its model has measured which serves each row count faster (BlockRows).
 BLOCK_PANEL_ROWS = 5
+# The row counts measure_block_rows times (1 to this; more rows run the float32 panels: from 32
+# rows the two were within 1% on Zen 4 and Zen 5), and its rounds.
+CALIBRATED_ROWS = 24
+CALIBRATION_ROUNDS = 3
 # float32 rows from which oneDNN's packed GEMM serves where the panel GEMM does not; fewer run
 # F.linear (MKL, 0.77x of oneDNN at 1-3 rows).
 MIN_PACKED_ROWS = 4
@@ -105,6 +115,49 @@ def onednn_has_bf16() -> bool:
     return supported
 
 
+class BlockRows:
+    """Which input row counts run a model's GGUF block panels rather than its float32 panels:
+    below ``BLOCK_PANEL_ROWS`` until ``table`` is set, then ``table[rows]`` for the rows it
+    covers and the float32 panels beyond. Either form gives the same bits (module
+    docstring), so this decides speed only. An idle engine measures both forms on the
+    model's own linears and sets the table (``LlamaModel.preparations``): where the
+    crossover lies depends on the CPU (Zen 4 and Zen 5 differ, and AVX2 from AVX-512)."""
+
+    def __init__(self) -> None:
+        self.table: tuple[bool, ...] | None = None
+
+    def __call__(self, rows: int) -> bool:
+        if self.table is None:
+            return rows < BLOCK_PANEL_ROWS
+        return rows < len(self.table) and self.table[rows]
+
+
+def measure_block_rows(linears: list[Linear], policy: BlockRows, max_rows: int = CALIBRATED_ROWS,
+                       rounds: int = CALIBRATION_ROUNDS) -> Iterator[str]:
+    """Time ``linears``' block panels against their float32 panels at 1 to ``max_rows`` input
+    rows, one form at one row count per step (the two forms alternate, ``rounds`` rounds), then
+    set ``policy.table`` to the faster one per row count (each form's least time). Linears
+    without both forms are left out; with none, nothing is measured. The inputs are constants:
+    the time does not depend on the values."""
+    both = [lin for lin in linears if lin.block_panels is not None and lin.panels is not None]
+    if not both:
+        return
+    least: dict[tuple[int, bool], float] = {}
+    for _ in range(rounds):
+        for rows in range(1, max_rows + 1):
+            inputs = {k: torch.full((rows, k), 0.5) for k in {lin.in_features for lin in both}}
+            for blocks in (True, False):
+                start = time.perf_counter()
+                for lin in both:
+                    weight = lin.block_panels if blocks else lin.panels
+                    torch.ops.splitserve.panel_linear(inputs[lin.in_features], weight, lin.out_features, lin.bias)
+                took = time.perf_counter() - start
+                least[rows, blocks] = min(least.get((rows, blocks), math.inf), took)
+                yield "block_rows"
+    policy.table = (False, *(least[rows, True] < least[rows, False] for rows in range(1, max_rows + 1)))
+    log.info("linear.block_rows", rows=[rows for rows in range(1, max_rows + 1) if policy.table[rows]])
+
+
 class Linear:
     """``y = x @ weight.T + bias`` for ``x [rows, in_features]``; ``weight [out, in]``.
 
@@ -128,6 +181,7 @@ class Linear:
         # GGUF blocks whose groups of 32 tile the input, where panels serve: block panels below
         # BLOCK_PANEL_ROWS rows (module docstring).
         self.blocks = blocks if self.panel_rows > 0 and self.in_features % 32 == 0 else None
+        self.block_rows = BlockRows()  # the model shares one among its linears
         self.packable = prepack and can_prepack(weight) and self.panel_rows < math.inf
         self.min_packed_rows = MIN_PACKED_ROWS if float32_cpu else 0
 
@@ -148,9 +202,9 @@ class Linear:
 
     def fused_weight(self, rows: int) -> torch.Tensor:
         """The weight as the panel GEMM (and ``decoder_layer``) takes it for ``rows`` input
-        rows: block panels below ``BLOCK_PANEL_ROWS`` where the layer has GGUF blocks, else its
+        rows: block panels where the layer has GGUF blocks and ``block_rows`` says so, else its
         float32 column panels. Either is made at its first call."""
-        if rows >= BLOCK_PANEL_ROWS or (self.blocks is None and self.block_panels is None):
+        if not self.block_rows(rows) or (self.blocks is None and self.block_panels is None):
             return self.packed_panels()
         if self.block_panels is None:
             self.block_panels = torch.ops.splitserve.pack_block_panels(*self.blocks.parts())

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.greedy_head import GreedyHead
-from engine.models.linear import Linear
+from engine.models.linear import BlockRows, Linear, measure_block_rows
 from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
 from engine.quant.linear import (
@@ -105,6 +105,10 @@ class LlamaModel:
         )
         # Forwards of fewer tokens than this take the fused route (where every linear serves them).
         self.fused_rows = min(lin.fused_rows for lin in linears) if self.fused_layers else 0
+        # One choice of block or float32 panels per row count for every linear (BlockRows).
+        self.block_rows = BlockRows()
+        for lin in self._dense_linears():
+            lin.block_rows = self.block_rows
         self.greedy_head = GreedyHead.for_head(self.lm_head)  # greedy tokens without every logit
         inv_freq, attn_scaling = rope_inv_freq(hf_config)
         self._build_rope_cache(inv_freq, attn_scaling, max_model_len)
@@ -161,16 +165,21 @@ class LlamaModel:
         """What the first calls would make lazily (each ``Linear``'s packed forms, the greedy
         head's screen), one piece per step, to run while the engine is idle
         (engine/engine_thread.py): a worker's first requests then run at full speed. Yields a
-        name per piece; the pieces are the same as the first calls make."""
-        for layer in self.layers:
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                if isinstance(lin, Linear):
-                    yield from lin.preparations()
-        if isinstance(self.lm_head, Linear):
-            yield from self.lm_head.preparations()
+        name per piece; the pieces are the same as the first calls make. Then, where linears
+        have both block and float32 panels, which of the two serves each row count faster
+        (``measure_block_rows``: speed only, the bits are the same)."""
+        linears = self._dense_linears()
+        for lin in linears:
+            yield from lin.preparations()
         if self.greedy_head is not None:
             self.greedy_head.prepare()
             yield "greedy_head"
+        yield from measure_block_rows(linears, self.block_rows)
+
+    def _dense_linears(self) -> list[Linear]:
+        """The projections and the LM head that are ``Linear`` (not a quantized kind)."""
+        found = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [lin for lin in [*found, self.lm_head] if isinstance(lin, Linear)]
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.models.linear import Linear
+from engine.models.linear import CALIBRATED_ROWS, BlockRows, Linear, measure_block_rows
 from splitserve_kernels.native import native_kernels
 from tests.engine.gguf_files import checkpoint_to_gguf
 
@@ -49,6 +50,9 @@ def test_prepared_engine_has_every_form_and_the_same_outputs(tmp_path: Path, ckp
         assert (lin.packed is not None) == lin.packable  # oneDNN's packing where it serves some rows
     head = prepared.runner.model.greedy_head
     assert head is None or head.panels16 is not None
+    table = prepared.runner.model.block_rows.table  # measured: which form serves each row count
+    assert table is not None and len(table) == CALIBRATED_ROWS + 1 and not table[0]
+    assert all(lin.block_rows is prepared.runner.model.block_rows for lin in linears)
     assert pieces >= 2 * len(linears)
     assert not prepared.prepare_some()  # nothing is made twice
     fresh = Engine(EngineConfig(model=path, num_kv_blocks=64))
@@ -66,3 +70,30 @@ def test_a_checkpoint_without_blocks_gets_panels_and_no_block_panels(ckpt_dir: C
         assert lin.block_panels is None
         assert (lin.panels is not None) == (lin.panel_rows > 0)
         assert (lin.packed is not None) == lin.packable
+
+
+@needs_native
+def test_the_block_rows_table_picks_the_form_and_either_gives_the_same_bits(
+        tmp_path: Path, ckpt_dir: Callable[..., Path]) -> None:
+    # Whatever the measurement picks, the outputs are the same: an engine running block
+    # panels at every row count the table covers and one running float32 panels there.
+    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype="Q4_1"))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    engines = [Engine(EngineConfig(model=path, num_kv_blocks=64)) for _ in range(2)]
+    for engine, use_blocks in zip(engines, (True, False)):
+        engine.runner.model.block_rows.table = (False, *([use_blocks] * CALIBRATED_ROWS))
+    lin = _linears(engines[0])[0]
+    assert lin.fused_weight(6).dtype == torch.uint8 and lin.fused_weight(CALIBRATED_ROWS + 1).dtype == torch.float32
+    assert _linears(engines[1])[0].fused_weight(1).dtype == torch.float32
+    got, want = (engine.generate(SHORT + LONG, params) for engine in engines)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+
+
+def test_block_rows_default_and_no_measurement_without_both_forms(ckpt_dir: Callable[..., Path]) -> None:
+    policy = BlockRows()
+    assert [policy(r) for r in (1, 4, 5, 64)] == [True, True, False, False]  # BLOCK_PANEL_ROWS = 5
+    engine = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=64))  # no GGUF blocks
+    assert list(measure_block_rows(_linears(engine), policy)) == [] and policy.table is None
+    policy.table = (False, False, True)
+    assert [policy(r) for r in (1, 2, 3, 64)] == [False, True, False, False]

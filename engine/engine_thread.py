@@ -13,7 +13,7 @@ Until the model's lazy preparations are done (its weights packed for every row c
 calls and requests again: a fresh worker is registered and serving at once, and the first
 burst it gets no longer pays for the packing inside its steps (a cold colocated worker's
 first 16 prompts of 256 tokens had their last first token at 3.7 s where a warm one has it
-at 2.5; serve_vs_vllm's TTFT P99 is that wave).
+at 2.3; serve_vs_vllm's TTFT P99 is that wave).
 """
 
 from __future__ import annotations

@@ -206,7 +206,12 @@ class Linear:
         float32 column panels. Either is made at its first call."""
         if not self.block_rows(rows) or (self.blocks is None and self.block_panels is None):
             return self.packed_panels()
+        return self._block_panels()
+
+    def _block_panels(self) -> torch.Tensor:
+        """The GGUF blocks as block panels, made at the first call (the blocks then go)."""
         if self.block_panels is None:
+            assert self.blocks is not None
             self.block_panels = torch.ops.splitserve.pack_block_panels(*self.blocks.parts())
             self.blocks = None
         return self.block_panels
@@ -227,7 +232,7 @@ class Linear:
             self._packed()
             yield "onednn"
         if self.blocks is not None and self.block_panels is None:
-            self.fused_weight(1)
+            self._block_panels()
             yield "block_panels"
         if self.panel_rows > 0 and self.weight is not None and self.panels is None:
             self.packed_panels()

@@ -70,8 +70,7 @@ class GreedyHead:
         """Each row's greedy token, or None when a row needs the logits (then none is given)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] >= self.head.fused_rows:
             return None  # more rows than the panels serve: the logits' bits come from oneDNN there
-        if self.panels16 is None:
-            self._prepare()
+        self.prepare()
         if not self.usable:
             return None
         x = x.contiguous()

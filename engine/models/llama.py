@@ -97,7 +97,7 @@ class LlamaModel:
         self.scale = spec.head_dim**-0.5
         self._load(weights)
         # Every op of a layer native on float32: the layer in one call (module docstring).
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = self._projections()
         self.fused_layers = (
             device.type == "cpu" and native_kernels().available and self.dtype == torch.float32
             and not spec.qk_norm
@@ -176,10 +176,13 @@ class LlamaModel:
             yield "greedy_head"
         yield from measure_block_rows(linears, self.block_rows)
 
+    def _projections(self) -> list[LinearLayer]:
+        """Every layer's four linears, in order."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     def _dense_linears(self) -> list[Linear]:
         """The projections and the LM head that are ``Linear`` (not a quantized kind)."""
-        found = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return [lin for lin in [*found, self.lm_head] if isinstance(lin, Linear)]
+        return [lin for lin in [*self._projections(), self.lm_head] if isinstance(lin, Linear)]
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """EngineThread: the engine's only thread; calls between steps, outputs handed off, failure stops it."""
 
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -37,6 +38,15 @@ class FakeEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(num_blocks_total=8, num_blocks_free=8, num_running=0,
                           num_waiting=len(self.pending), num_queued_prefill_tokens=0)
+
+
+def _wait_until(done: Callable[[], bool]) -> None:
+    """Poll (the loop runs on its own thread) until ``done()``, for at most 5 s."""
+    for _ in range(500):
+        if done():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the engine thread did not get there within 5 s")
 
 
 def test_calls_and_steps_run_on_one_thread_and_outputs_are_handed_off() -> None:
@@ -103,8 +113,7 @@ def test_each_step_is_reported_with_its_kind() -> None:
     loop.start()
     try:
         loop.call(lambda e: e.pending.append("a")).result(5)
-        while engine.num_steps < 1:
-            threading.Event().wait(0.01)
+        _wait_until(lambda: engine.num_steps >= 1)
         loop.call(lambda e: e.pending.append("decode-a")).result(5)
         assert reported.wait(5)
     finally:
@@ -150,8 +159,7 @@ def test_an_idle_loop_prepares_piece_by_piece_and_serves_calls_and_steps_first()
         engine.release.set()
         queued.result(5)
         assert loop.call(lambda e: None).result(5) is None
-        while engine.done < 3:
-            threading.Event().wait(0.01)
+        _wait_until(lambda: engine.done >= 3)
         loop.call(lambda e: None).result(5)  # a few idle iterations later: no fourth piece
         threading.Event().wait(0.1)
     finally:
@@ -166,8 +174,7 @@ def test_a_loop_told_not_to_prepare_never_does() -> None:
     loop.start()
     try:
         loop.call(lambda e: e.pending.append("a")).result(5)
-        while engine.num_steps < 1:
-            threading.Event().wait(0.01)
+        _wait_until(lambda: engine.num_steps >= 1)
         loop.call(lambda e: None).result(5)
     finally:
         loop.stop()

@@ -59,8 +59,17 @@ void add_tile(const PlanInputs& in, int64_t s, int64_t t0, int64_t n, int64_t ta
   // Split boundaries on multiples of 16 keys (whole key chunks of the kernel).
   const int64_t split_len = ((key_end + num_splits - 1) / num_splits + 15) / 16 * 16;
   num_splits = (key_end + split_len - 1) / split_len;
+  // One item over every KV head: a decode tile left whole that stays within the share.
+  if (in.whole_decode && n == 1 && num_splits == 1 && in.num_kv_heads > 1 &&
+      (plan.num_threads == 1 || rows * key_end * in.num_kv_heads <= target)) {
+    plan.items.push_back(WorkItem{static_cast<int32_t>(s), 0, static_cast<int32_t>(in.num_kv_heads),
+                                  static_cast<int32_t>(in.query_start_loc[s] + t0), 1,
+                                  static_cast<int32_t>(pos_begin), 0, static_cast<int32_t>(key_end), -1,
+                                  rows * key_end * in.num_kv_heads});
+    return;
+  }
   for (int64_t h = 0; h < in.num_kv_heads; ++h) {
-    WorkItem item{static_cast<int32_t>(s), static_cast<int32_t>(h),
+    WorkItem item{static_cast<int32_t>(s), static_cast<int32_t>(h), 1,
                   static_cast<int32_t>(in.query_start_loc[s] + t0), static_cast<int32_t>(n),
                   static_cast<int32_t>(pos_begin), 0, static_cast<int32_t>(key_end), -1, 0};
     if (num_splits == 1) {

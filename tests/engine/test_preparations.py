@@ -51,7 +51,7 @@ def test_prepared_engine_has_every_form_and_the_same_outputs(tmp_path: Path, ckp
     head = prepared.runner.model.greedy_head
     assert head is None or head.panels16 is not None
     table = prepared.runner.model.block_rows.table  # measured: which form serves each row count
-    assert table is not None and len(table) == CALIBRATED_ROWS + 1 and not table[0]
+    assert table is not None and len(table) == max(CALIBRATED_ROWS) + 1 and not table[0]
     assert all(lin.block_rows is prepared.runner.model.block_rows for lin in linears)
     assert pieces >= 2 * len(linears)
     assert not prepared.prepare_some()  # nothing is made twice
@@ -64,7 +64,7 @@ def test_prepared_engine_has_every_form_and_the_same_outputs(tmp_path: Path, ckp
 
 def test_a_checkpoint_without_blocks_gets_panels_and_no_block_panels(ckpt_dir: Callable[..., Path]) -> None:
     engine = Engine(EngineConfig(model=str(ckpt_dir("llama")), num_kv_blocks=64))  # safetensors: no GGUF blocks
-    _prepare_all(engine)
+    engine.prepare()  # every piece at once
     assert not engine.prepare_some()
     for lin in _linears(engine):
         assert lin.block_panels is None
@@ -81,9 +81,9 @@ def test_the_block_rows_table_picks_the_form_and_either_gives_the_same_bits(
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
     engines = [Engine(EngineConfig(model=path, num_kv_blocks=64)) for _ in range(2)]
     for engine, use_blocks in zip(engines, (True, False)):
-        engine.runner.model.block_rows.table = (False, *([use_blocks] * CALIBRATED_ROWS))
+        engine.runner.model.block_rows.table = (False, *([use_blocks] * max(CALIBRATED_ROWS)))
     lin = _linears(engines[0])[0]
-    assert lin.fused_weight(6).dtype == torch.uint8 and lin.fused_weight(CALIBRATED_ROWS + 1).dtype == torch.float32
+    assert lin.fused_weight(6).dtype == torch.uint8 and lin.fused_weight(max(CALIBRATED_ROWS) + 1).dtype == torch.float32
     assert _linears(engines[1])[0].fused_weight(1).dtype == torch.float32
     got, want = (engine.generate(SHORT + LONG, params) for engine in engines)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -97,3 +97,19 @@ def test_block_rows_default_and_no_measurement_without_both_forms(ckpt_dir: Call
     assert list(measure_block_rows(_linears(engine), policy)) == [] and policy.table is None
     policy.table = (False, False, True)
     assert [policy(r) for r in (1, 2, 3, 64)] == [False, True, False, False]
+
+
+@needs_native
+def test_row_counts_between_those_timed_take_the_next_one_timed(
+        tmp_path: Path, ckpt_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype="Q4_1"))
+    linears = [lin for lin in _linears(Engine(EngineConfig(model=path, num_kv_blocks=64))) if lin.blocks is not None]
+    for lin in linears:
+        lin.packed_panels()
+        lin.fused_weight(1)  # the block panels
+    # A clock under which block panels take 1 s and float32 panels 2 s at 2 rows, the reverse at 5.
+    ticks = iter([0, 1, 1, 3, 3, 5, 5, 6])
+    monkeypatch.setattr("engine.models.linear.time.perf_counter", lambda: next(ticks))
+    policy = BlockRows()
+    assert list(measure_block_rows(linears, policy, row_counts=(2, 5), rounds=1)) == ["block_rows"] * 4
+    assert policy.table == (False, True, True, False, False, False)

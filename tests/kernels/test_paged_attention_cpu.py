@@ -114,8 +114,9 @@ def test_chunked_prefill_across_block_boundaries(threads, per_call) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_items_over_every_kv_head(paged_batch, threads, head_dim) -> None:
     # Decode tiles run as one work item over all four KV heads (attention_plan.h: whole_decode),
-    # beside one whose 3000 keys exceed a thread's share at 2 threads and are split per head.
-    seq_lens = [1, 15, 16, 17, 200, 3000]
+    # beside ones whose 3000 and 8000 keys exceed a thread's share at 2 threads and are split
+    # per head (at 1 thread every tile is one item: its scores for all 12 rows in scratch).
+    seq_lens = [1, 15, 16, 17, 200, 3000, 8000]
     batch = paged_batch([1] * len(seq_lens), seq_lens, block_size=16, num_kv_heads=4, queries_per_kv=3,
                         head_dim=head_dim, seed=head_dim)
     query, k_cache, v_cache, *meta = batch.args

@@ -201,12 +201,12 @@ class Linear:
 
     @property
     def fused_rows(self) -> float:
-        """Forwards of fewer rows than this can run the layer inside ``decoder_layer``
+        """Forwards of fewer rows than this can run the layer inside ``decoder_layers``
         (engine/models/llama.py): those the panel GEMM serves."""
         return self.panel_rows
 
     def fused_weight(self, rows: int) -> torch.Tensor:
-        """The weight as the panel GEMM (and ``decoder_layer``) takes it for ``rows`` input
+        """The weight as the panel GEMM (and ``decoder_layers``) takes it for ``rows`` input
         rows: block panels where the layer has GGUF blocks and ``block_rows`` says so, else its
         float32 column panels. Either is made at its first call."""
         if not self.block_rows(rows) or (self.blocks is None and self.block_panels is None):

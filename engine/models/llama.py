@@ -10,8 +10,10 @@ cast, the same rotate-half RoPE; kernels/splitserve_kernels/elementwise.py), so 
 ``generate`` token for token. On CPU the elementwise parts run as fused native ops
 (kernels/csrc/elementwise.cpp) and the residual stream is updated in place; where every op
 of a layer is native (float32 panel linears or GGUF-block ones, no q/k norms, a float32 or int8
-cache), the whole layer is one call, ``splitserve::decoder_layer`` (kernels/csrc/decoder_layer.cpp):
-the same ops in the same order, without the Python and the dispatcher between them. That holds
+cache), every layer runs in one call, ``splitserve::decoder_layers`` (kernels/csrc/decoder_layer.cpp):
+the same ops in the same order, without the Python and the dispatcher between them, and with
+the weights held in C++ (``_decoder_weights``) so that the call takes the interpreter lock
+once, not once per argument. That holds
 for forwards of fewer tokens than every linear serves there: the panel GEMM every count on AVX2,
 below 129 on AVX-512, where oneDNN serves more rows (engine/models/linear.py); GGUF blocks
 (engine/quant/linear.py) every count.
@@ -107,6 +109,7 @@ class LlamaModel:
         self.fused_rows = min(lin.fused_rows for lin in linears) if self.fused_layers else 0
         # One choice of block or float32 panels per row count for every linear (BlockRows).
         self.block_rows = BlockRows()
+        self._held_weights: dict[bool, torch.ScriptObject] = {}  # _decoder_weights'
         for lin in self._dense_linears():
             lin.block_rows = self.block_rows
         self.greedy_head = GreedyHead.for_head(self.lm_head)  # greedy tokens without every logit
@@ -254,12 +257,34 @@ class LlamaModel:
                 kv: _KVWrite) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every decoder layer: the residual stream and the last layer's MLP output, not yet
         added to it (each layer adds its predecessor's in its first norm)."""
+        if self.fused_layers and x.shape[0] < self.fused_rows and kv_cache.dtype in (torch.float32, torch.int8):
+            spec = self.spec
+            mlp_out = torch.ops.splitserve.decoder_layers(
+                x, self._decoder_weights(x.shape[0]), cos, sin, kv_cache, kv.slot_mapping, kv.block_tables,
+                kv.seq_lens, kv.query_start_loc, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                spec.intermediate_size, spec.rms_norm_eps, self.scale,
+            )
+            return x, mlp_out
         mlp_out = None
-        fused = self.fused_layers and x.shape[0] < self.fused_rows and kv_cache.dtype in (torch.float32, torch.int8)
-        layer_fn = self._fused_layer if fused else self._layer
         for i, layer in enumerate(self.layers):
-            mlp_out = layer_fn(layer, x, mlp_out, cos, sin, kv_cache[i, 0], kv_cache[i, 1], kv)
+            mlp_out = self._layer(layer, x, mlp_out, cos, sin, kv_cache[i, 0], kv_cache[i, 1], kv)
         return x, mlp_out
+
+    def _decoder_weights(self, rows: int) -> torch.ScriptObject:
+        """Every layer's weights as ``decoder_layers`` takes them for ``rows`` input rows, held
+        in C++ (kernels/csrc/decoder_layer.cpp says why): one object per answer of
+        ``block_rows``, made at its first call. Which form a linear gives depends on that
+        answer alone, and a form once made is kept, so the object stays the layers' own."""
+        use_blocks = self.block_rows(rows)
+        held = self._held_weights.get(use_blocks)
+        if held is None:
+            tensors: list[torch.Tensor | None] = []
+            for layer in self.layers:
+                tensors += [layer.input_norm, layer.qkv.fused_weight(rows), layer.qkv.bias,
+                            layer.o.fused_weight(rows), layer.post_norm, layer.gate_up.fused_weight(rows),
+                            layer.down.fused_weight(rows)]
+            held = self._held_weights[use_blocks] = torch.classes.splitserve.DecoderWeights(tensors)
+        return held
 
     def _final_rows(self, x: torch.Tensor, mlp_out: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
         """The LM head's input for ``rows`` only: the last residual add and the final norm."""
@@ -314,14 +339,3 @@ class LlamaModel:
         # The residual stream x is this forward's own tensor: updated in place.
         h = ops.add_rms_norm_(x, layer.o(attn.reshape(num_tokens, spec.q_size)), layer.post_norm, spec.rms_norm_eps)
         return layer.down(ops.silu_mul(layer.gate_up(h)))
-
-    def _fused_layer(self, layer: _Layer, x: torch.Tensor, mlp_out: torch.Tensor | None, cos: torch.Tensor,
-                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv: _KVWrite) -> torch.Tensor:
-        """``_layer`` in one native call (``fused_layers``; the same ops, the same bits)."""
-        spec, rows = self.spec, x.shape[0]
-        return torch.ops.splitserve.decoder_layer(
-            x, mlp_out, layer.input_norm, layer.qkv.fused_weight(rows), layer.qkv.bias, layer.o.fused_weight(rows),
-            layer.post_norm, layer.gate_up.fused_weight(rows), layer.down.fused_weight(rows), cos, sin, k_cache,
-            v_cache, kv.slot_mapping, kv.block_tables, kv.seq_lens, kv.query_start_loc, spec.num_heads, spec.num_kv_heads,
-            spec.head_dim, spec.intermediate_size, spec.rms_norm_eps, self.scale,
-        )

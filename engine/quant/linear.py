@@ -202,11 +202,11 @@ class GGUFLinear:
         self.native = native_blocks(weight.blocks.device)
         self._dense = None if self.native else weight.dequantize()
         self.nbytes = self.blocks.numel()
-        # ``decoder_layer`` (engine/models/llama.py) runs the native kernel at every row count.
+        # ``decoder_layers`` (engine/models/llama.py) runs the native kernel at every row count.
         self.fused_rows = math.inf if self.native else 0
 
     def fused_weight(self, rows: int) -> torch.Tensor:
-        """The weight as ``decoder_layer`` takes it at any row count: the blocks, each row Q8_0's
+        """The weight as ``decoder_layers`` takes it at any row count: the blocks, each row Q8_0's
         or Q4_1's bytes."""
         return self.blocks
 

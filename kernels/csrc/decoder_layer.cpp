@@ -1,7 +1,13 @@
-// One Llama decoder layer in one operator call (CPU, float32): the native ops that
-// engine/models/llama.py's LlamaModel._layer calls one at a time, called here in the same
-// order on the same arguments, so its output, the residual stream and the KV cache are the
-// same bits. What it saves is the Python and the dispatcher between those ten calls.
+// A model's Llama decoder layers in one operator call (CPU, float32): per layer, the native
+// ops that engine/models/llama.py's LlamaModel._layer calls one at a time, called here in the
+// same order on the same arguments, so its output, the residual stream and the KV cache are
+// the same bits. What it saves is the Python and the dispatcher between those calls, and the
+// interpreter lock: a custom operator's arguments are let go inside the call, with the lock
+// released, and letting go of the last C++ reference to a tensor Python also holds takes the
+// lock back (torch keeps a tensor's Python object alive while C++ holds it). With a gRPC
+// thread beside the engine, that was a wait on the lock per argument, ten to twenty per layer.
+// The weights therefore come in a DecoderWeights object, made once, which holds them in C++
+// for as long as it lives: a call touches no Python object but its own few arguments.
 //
 // It serves the layers whose every op is native: weights in column or block panels (panel_gemm.cpp) or
 // in GGUF blocks (quant_matmul.cpp), no q/k norms, a float32 or an int8 cache (write_kv.cpp or
@@ -10,9 +16,11 @@
 // this with.
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "elementwise.h"
@@ -21,6 +29,29 @@
 #include "quant_matmul.h"
 
 namespace splitserve {
+
+// Every layer's weights, in decoder_layers' order: per layer input_norm, qkv, qkv_bias (none
+// where the model has no bias), o, post_norm, gate_up, down, each linear in the form the
+// caller chose for the call's row count (panels or GGUF blocks).
+struct DecoderWeights : torch::CustomClassHolder {
+  static constexpr int64_t kPerLayer = 7;
+  std::vector<std::optional<at::Tensor>> tensors;
+
+  explicit DecoderWeights(c10::List<std::optional<at::Tensor>> list) {
+    TORCH_CHECK_VALUE(!list.empty() && list.size() % kPerLayer == 0, "DecoderWeights: ", kPerLayer,
+                      " tensors per layer expected, got ", list.size());
+    tensors.reserve(list.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      std::optional<at::Tensor> t = list.get(i);
+      TORCH_CHECK_VALUE(i % kPerLayer == 2 || (t.has_value() && t->defined()), "DecoderWeights: tensor ",
+                        i % kPerLayer, " of layer ", i / kPerLayer, " is missing (only the qkv bias may be)");
+      tensors.push_back(std::move(t));
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(tensors.size()) / kPerLayer; }
+};
+
 namespace {
 
 // layer.<linear>(x): a float32 weight is column panels and a 3-d uint8 one block panels
@@ -38,6 +69,7 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, int64_t o
   return bias.has_value() ? y.add_(*bias) : y;
 }
 
+// One layer: returns its MLP output (decoder_layers_cpu adds it to x in the next layer's first norm).
 at::Tensor decoder_layer_cpu(
     at::Tensor& x,                             // [T, hidden] float32, the residual stream, updated in place
     const std::optional<at::Tensor>& mlp_out,  // [T, hidden], the previous layer's MLP output (none: the first)
@@ -84,15 +116,46 @@ at::Tensor decoder_layer_cpu(
                       std::nullopt);
 }
 
+at::Tensor decoder_layers_cpu(
+    at::Tensor& x,                                      // [T, hidden], the residual stream, updated in place
+    const c10::intrusive_ptr<DecoderWeights>& weights,  // every layer's (DecoderWeights)
+    const at::Tensor& cos, const at::Tensor& sin,       // [T, 1, D]; sin signed
+    at::Tensor& kv_cache,                               // [layers, 2, ...]: layer i's K is kv_cache[i, 0], V [i, 1]
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t intermediate, double eps, double scale) {
+  const int64_t L = weights->num_layers();
+  TORCH_CHECK_VALUE(kv_cache.dim() >= 3 && kv_cache.size(0) == L && kv_cache.size(1) == 2,
+                    "decoder_layers: kv_cache must be [", L, " layers, 2, ...], got ", kv_cache.sizes());
+  const auto& w = weights->tensors;
+  std::optional<at::Tensor> mlp_out;  // each layer's, added to x by the next layer's first norm
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t b = i * DecoderWeights::kPerLayer;
+    at::Tensor layer_cache = kv_cache.select(0, i);
+    at::Tensor k_cache = layer_cache.select(0, 0);
+    at::Tensor v_cache = layer_cache.select(0, 1);
+    mlp_out = decoder_layer_cpu(x, mlp_out, *w[b], *w[b + 1], w[b + 2], *w[b + 3], *w[b + 4], *w[b + 5],
+                                *w[b + 6], cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                query_start_loc, num_heads, num_kv_heads, head_dim, intermediate, eps, scale);
+  }
+  return *mlp_out;
+}
+
 }  // namespace
 }  // namespace splitserve
 
 TORCH_LIBRARY_FRAGMENT(splitserve, m) {
+  m.class_<splitserve::DecoderWeights>("DecoderWeights")
+      .def(torch::init<c10::List<std::optional<at::Tensor>>>())
+      .def("num_layers", &splitserve::DecoderWeights::num_layers)
+      .def("tensors", [](const c10::intrusive_ptr<splitserve::DecoderWeights>& self) {
+        return c10::List<std::optional<at::Tensor>>(self->tensors);
+      });
   m.def(
-      "decoder_layer(Tensor(a!) x, Tensor? mlp_out, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, Tensor o, "
-      "Tensor post_norm, Tensor gate_up, Tensor down, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
-      "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps, float scale) -> Tensor");
+      "decoder_layers(Tensor(a!) x, __torch__.torch.classes.splitserve.DecoderWeights weights, Tensor cos, "
+      "Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps, "
+      "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(splitserve, CPU, m) { m.impl("decoder_layer", &splitserve::decoder_layer_cpu); }
+TORCH_LIBRARY_IMPL(splitserve, CPU, m) { m.impl("decoder_layers", &splitserve::decoder_layers_cpu); }

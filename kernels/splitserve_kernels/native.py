@@ -6,9 +6,9 @@
 (``torch.backends.cpu.get_cpu_capability()``), which registers the operators
 ``torch.ops.splitserve.paged_attention`` (float caches and the int8 one), ``write_kv``,
 ``write_kv_int8``, ``gguf_linear`` (quant_matmul.py),
-``pack_panels`` and ``panel_linear`` (engine/models/linear.py), ``decoder_layer`` (a whole
-layer of those: engine/models/llama.py), ``argmax_rows`` and ``greedy_head`` (greedy tokens,
-engine/models/greedy_head.py) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
+``pack_panels`` and ``panel_linear`` (engine/models/linear.py), ``decoder_layers`` (every
+layer of those in one call, its weights in a ``DecoderWeights`` object: engine/models/llama.py),
+``argmax_rows`` and ``greedy_head`` (greedy tokens, engine/models/greedy_head.py) and the fused elementwise ops (``rms_norm``, ``add_rms_norm_``,
 ``rotary_``, ``silu_mul``); their fake implementations are registered here so ``torch.compile`` can trace through them
 (``pack_panels`` has none: it runs once per layer, at its first call, never inside a trace).
 
@@ -199,10 +199,9 @@ def _register_fakes() -> None:
     def _panel_linear_fake(x, panels, out_features, bias):
         return x.new_empty(x.shape[0], out_features)
 
-    @torch.library.register_fake("splitserve::decoder_layer")
-    def _decoder_layer_fake(x, mlp_out, input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, cos, sin,
-                            k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_heads,
-                            num_kv_heads, head_dim, intermediate, eps, scale):
+    @torch.library.register_fake("splitserve::decoder_layers")
+    def _decoder_layers_fake(x, weights, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                             num_heads, num_kv_heads, head_dim, intermediate, eps, scale):
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("splitserve::write_kv_int8")

@@ -1,5 +1,6 @@
-"""A decoder layer in one native call (``splitserve::decoder_layer``) against the Python route
-it replaces (``LlamaModel._layer``): the same logits and the same KV cache, bit for bit."""
+"""Every decoder layer in one native call (``splitserve::decoder_layers``) against the Python
+route it replaces (``LlamaModel._layer`` per layer): the same logits and the same KV cache, bit
+for bit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.model_runner import SeqSlice, make_forward_batch
 from engine.models import linear
 from engine.models.linear import panel_gemm
+from tests.engine.gguf_files import checkpoint_to_gguf
 
 BLOCK = 16
 
@@ -69,6 +71,39 @@ def test_one_call_per_layer_gives_the_same_bits(arch: str, config: dict, ckpt_di
 
 
 @needs_panels
+def test_the_weights_held_for_a_call_are_the_forms_its_row_count_takes(tmp_path: Path,
+                                                                        ckpt_dir: Callable[..., Path]) -> None:
+    # decoder_layers reads every layer's weights from an object made once per answer of
+    # block_rows (LlamaModel._decoder_weights): each must hold the forms the linears give at the
+    # row counts that answer so, Q4_1 block panels for one and float32 panels for the other.
+    path = str(checkpoint_to_gguf(ckpt_dir("llama"), tmp_path / "m.gguf", qtype="Q4_1"))
+    engine = Engine(EngineConfig(model=path, num_kv_blocks=64, block_size=BLOCK))
+    model = engine.runner.model
+    model.block_rows.table = (False, True, False, False, False)  # 1 row: block panels; 2 to 4: float32 panels
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.generate([[5, 6, 7], [8, 9, 10]], params)  # decode steps of 2 rows
+    engine.generate([[5, 6, 7]], params)  # of 1 row
+    for use_blocks, rows, dtype in ((True, 1, torch.uint8), (False, 2, torch.float32)):
+        held = model._held_weights[use_blocks].tensors()
+        want = [t for layer in model.layers for t in (layer.input_norm, layer.qkv.fused_weight(rows), layer.qkv.bias,
+                                                       layer.o.fused_weight(rows), layer.post_norm,
+                                                       layer.gate_up.fused_weight(rows), layer.down.fused_weight(rows))]
+        assert len(held) == len(want) == 7 * len(model.layers)
+        assert all(h is w for h, w in zip(held, want))
+        assert {held[i].dtype for i in range(len(held)) if i % 7 in (1, 3, 5, 6)} == {dtype}
+
+
+@needs_panels
+def test_decoder_weights_refuse_a_missing_tensor() -> None:
+    w = torch.ones(4)
+    with pytest.raises(ValueError, match="7 tensors per layer"):
+        torch.classes.splitserve.DecoderWeights([w] * 6)
+    with pytest.raises(ValueError, match="tensor 3 of layer 1 is missing"):
+        torch.classes.splitserve.DecoderWeights([w] * 7 + [w, w, None, None, w, w, w])
+    assert torch.classes.splitserve.DecoderWeights([w, w, None, w, w, w, w]).num_layers() == 1
+
+
+@needs_panels
 def test_the_lean_sequence_forward_takes_it_too(ckpt_dir: Callable[..., Path]) -> None:
     fused, python = _runner(ckpt_dir("llama"), True), _runner(ckpt_dir("llama"), False)
     tokens = list(range(5, 45))
@@ -118,10 +153,10 @@ def test_a_forward_of_more_rows_than_the_panels_serve_takes_the_python_route(
     assert runner.model.fused_rows == linear.panel_rows()
     runner.model.fused_rows = 16  # a limit like the AVX-512 library's, on any library
     calls: list[int] = []
-    real = torch.ops.splitserve.decoder_layer
-    monkeypatch.setattr(torch.ops.splitserve, "decoder_layer", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    real = torch.ops.splitserve.decoder_layers
+    monkeypatch.setattr(torch.ops.splitserve, "decoder_layers", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     with torch.inference_mode():
         runner.model.forward_sequence(list(range(5, 21)), 0, [7, 2], runner.kv_cache)  # 16 tokens: Python
         assert calls == []
         runner.model.forward_sequence(list(range(21, 36)), 16, [7, 2], runner.kv_cache)  # 15 tokens: fused
-    assert calls == [15] * len(runner.model.layers)
+    assert calls == [15]  # one call for every layer

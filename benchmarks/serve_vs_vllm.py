@@ -193,28 +193,28 @@ def paired_itl(args: argparse.Namespace, base_url: str, model_name: str, tokeniz
     runs alone; served first in even pairs, the engine first in odd ones. This machine's
     batch-1 step drifts by more than the hops cost within minutes (module docstring), so the
     ratio of the medians over all pairs is the figure, each pair's beside it."""
+    def serve(i: int) -> list[float]:
+        run = bench_serve(args.vllm_python, base_url, model_name, tokenizer, 1, 1, out_dir,
+                          f"{label}-pair{i}", seed=1 + i, keep_itls=True)
+        return [itl for request in run["itls"] for itl in request]
+
+    def alone(i: int) -> list[float]:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            return stepper.request(1 + i)
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+
     served: list[float] = []
     engine: list[float] = []
     pairs = []
     for i in range(args.itl_pairs):
-        def serve() -> list[float]:
-            run = bench_serve(args.vllm_python, base_url, model_name, tokenizer, 1, 1, out_dir,
-                              f"{label}-pair{i}", seed=1 + i, keep_itls=True)
-            return [itl for request in run["itls"] for itl in request]
-
-        def alone() -> list[float]:
-            for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
-            try:
-                return stepper.request(1 + i)
-            finally:
-                for pid in pids:
-                    os.kill(pid, signal.SIGCONT)
-
         if i % 2 == 0:
-            itls, steps = serve(), alone()
+            itls, steps = serve(i), alone(i)
         else:
-            steps, itls = alone(), serve()
+            steps, itls = alone(i), serve(i)
         served += itls
         engine += steps
         pairs.append({"itl_p50_ms": 1e3 * statistics.median(itls), "step_p50_ms": 1e3 * statistics.median(steps)})

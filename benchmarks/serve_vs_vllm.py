@@ -56,6 +56,7 @@ from typing import Any
 from bench.machine import load_average
 from benchmarks.real_checkpoint import ensure_real_checkpoint
 from benchmarks.vllm_preload import with_vllm_preload
+from splitserve import process_env
 
 VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 DEFAULT_OUT = Path("bench/results/serve_vs_vllm.json")
@@ -297,13 +298,19 @@ def in_process_step(model: Path, threads: int) -> dict:
     """The engine's batch-1 decode step in a fresh process, as the decode worker runs it:
     three requests of a new 256-token prompt and 128 tokens, each decode step timed; the
     median step (what the c=1 ITL P50 compares with) and the mean."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = _engine_env(threads)
     code = ("import json,sys; from benchmarks.serve_vs_vllm import _step_child; "
             f"print(json.dumps(_step_child({str(model)!r}, {threads})))")
     before = load_average()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "threads": threads, "load_before": before,
             "load_after": load_average()}
+
+
+def _engine_env(threads: int) -> dict[str, str]:
+    """The environment of an in-process engine's process: the decode worker's (``splitserve``
+    sets ``process_env``'s defaults in its own, and the cluster gives it ``threads``)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), **process_env.defaults(os.environ)}
 
 
 def _step_engine(model: str, threads: int) -> Any:
@@ -362,7 +369,7 @@ class Stepper:
 
     def __init__(self, model: Path, threads: int) -> None:
         code = f"from benchmarks.serve_vs_vllm import _stepper_main; _stepper_main({str(model)!r}, {threads})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=_engine_env(threads),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True)
         self._answer()

@@ -20,6 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
+from splitserve import process_env
 from splitserve.default_model import FetchError, default_model_path, ensure_default_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -373,9 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # gRPC's C core logs to stderr on its own (a refused TLS handshake is an INFO line), outside
-    # the JSON lines: errors only, unless the environment asks for more. Set before gRPC loads.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    process_env.apply()  # before gRPC and torch load (splitserve/process_env.py)
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

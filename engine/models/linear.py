@@ -32,7 +32,12 @@ CPU's: on an AMD EPYC Zen 5 (2 threads, the 120 projections, block / float32 pan
 took 8.3 / 11.5 ms at 5 rows, 14.5 / 13.5 at 12 (one row block: conversion in registers),
 13.4 / 15.2 at 16, and AVX2 9.5 / 14.1 at 5, 21.0 / 20.6 at 16. So the model's linears share a
 ``BlockRows`` choice per row count: below 5 rows until an idle engine has timed both forms on
-them at 1 to 128 rows (``CALIBRATED_ROWS``, ``measure_block_rows``), then the faster.
+them at 5 to 128 rows (``CALIBRATED_ROWS``, ``measure_block_rows``), then the faster there and
+block panels below 5 always. Below 5 rows block panels took a third to a half of the float32
+panels' time on every CPU measured (Zen 3 AVX2, Zen 4, Zen 5), and a timing taken while another
+process computes on the same cores can still pick the float32 panels: two colocated clusters
+started together, each worker timing both forms at once, left one worker with float32 panels
+at 1 row in 3 of 4 starts, its c=1 ITL 13.8 ms against the other's 7.4 for its whole life.
 
 Otherwise:
 
@@ -74,12 +79,12 @@ PANEL_ROWS: dict[str, float] = {"avx2": math.inf, "avx512": 129}
 # Input rows below which a layer with GGUF blocks runs its block panels, not its float32
 # panels, until its model has measured which serves each row count faster (BlockRows).
 BLOCK_PANEL_ROWS = 5
-# The row counts measure_block_rows times, and its rounds: every count to 24, then samples to
-# 128, each standing for the counts above the sample before it; more rows run the float32
-# panels. On the Zen 5 (AVX-512, 2 threads, the default model's 120 projections, block /
+# The row counts measure_block_rows times, and its rounds: every count from BLOCK_PANEL_ROWS to
+# 24 (fewer rows always run the block panels: module docstring), then samples to 128, each
+# standing for the counts above the sample before it; more rows run the float32 panels. On the Zen 5 (AVX-512, 2 threads, the default model's 120 projections, block /
 # float32 panels) block panels were still 5-11% faster at 32-64 rows (17.5 / 19.7 ms at 32,
 # 31.6 / 33.5 at 64) and 1-2% at 96-128.
-CALIBRATED_ROWS = (*range(1, 25), 32, 48, 64, 96, 128)
+CALIBRATED_ROWS = (*range(BLOCK_PANEL_ROWS, 25), 32, 48, 64, 96, 128)
 CALIBRATION_ROUNDS = 3
 # float32 rows from which oneDNN's packed GEMM serves where the panel GEMM does not; fewer run
 # F.linear (MKL, 0.77x of oneDNN at 1-3 rows).
@@ -140,8 +145,9 @@ def measure_block_rows(linears: list[Linear], policy: BlockRows, row_counts: tup
     """Time ``linears``' block panels against their float32 panels at each of ``row_counts``
     (ascending) input rows, one form at one row count per step (the two forms alternate,
     ``rounds`` rounds), then set ``policy.table`` to the faster one per row count (each form's
-    least time), a count that was not timed taking the next one timed above it. Linears
-    without both forms are left out; with none, nothing is measured. The inputs are
+    least time), a count that was not timed taking the next one timed above it, and fewer
+    than ``BLOCK_PANEL_ROWS`` rows the block panels whatever was timed (module docstring).
+    Linears without both forms are left out; with none, nothing is measured. The inputs are
     constants: the time does not depend on the values."""
     both = [lin for lin in linears if lin.block_panels is not None and lin.panels is not None]
     if not both:
@@ -159,8 +165,10 @@ def measure_block_rows(linears: list[Linear], policy: BlockRows, row_counts: tup
                 least[rows, blocks] = min(least.get((rows, blocks), math.inf), took)
                 yield "block_rows"
     faster = {rows: least[rows, True] < least[rows, False] for rows in row_counts}
-    policy.table = (False, *(faster[min(n for n in row_counts if n >= rows)] for rows in range(1, max(row_counts) + 1)))
-    log.info("linear.block_rows", rows=[rows for rows in row_counts if faster[rows]])
+    policy.table = (False, *(rows < BLOCK_PANEL_ROWS or faster[min(n for n in row_counts if n >= rows)]
+                             for rows in range(1, max(row_counts) + 1)))
+    log.info("linear.block_rows", rows=[rows for rows in sorted({*range(1, BLOCK_PANEL_ROWS), *row_counts})
+                                         if policy.table[rows]])
 
 
 class Linear:

@@ -81,9 +81,10 @@ PANEL_ROWS: dict[str, float] = {"avx2": math.inf, "avx512": 129}
 BLOCK_PANEL_ROWS = 5
 # The row counts measure_block_rows times, and its rounds: every count from BLOCK_PANEL_ROWS to
 # 24 (fewer rows always run the block panels: module docstring), then samples to 128, each
-# standing for the counts above the sample before it; more rows run the float32 panels. On the Zen 5 (AVX-512, 2 threads, the default model's 120 projections, block /
-# float32 panels) block panels were still 5-11% faster at 32-64 rows (17.5 / 19.7 ms at 32,
-# 31.6 / 33.5 at 64) and 1-2% at 96-128.
+# standing for the counts above the sample before it; more rows run the float32 panels. On the
+# Zen 5 (AVX-512, 2 threads, the default model's 120 projections, block / float32 panels) block
+# panels were still 5-11% faster at 32-64 rows (17.5 / 19.7 ms at 32, 31.6 / 33.5 at 64) and
+# 1-2% at 96-128.
 CALIBRATED_ROWS = (*range(BLOCK_PANEL_ROWS, 25), 32, 48, 64, 96, 128)
 CALIBRATION_ROUNDS = 3
 # float32 rows from which oneDNN's packed GEMM serves where the panel GEMM does not; fewer run

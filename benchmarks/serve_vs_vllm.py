@@ -113,6 +113,12 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float =
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
+def served_model_name(http: str) -> str:
+    """The model an OpenAI-compatible server at ``http`` serves, once it answers."""
+    wait_http(f"{http}/v1/models")
+    return json.loads(urllib.request.urlopen(f"{http}/v1/models").read())["data"][0]["id"]
+
+
 def bench_serve(vllm_python: Path, base_url: str, model_name: str, tokenizer: Path, num_requests: int,
                 concurrency: int, out_dir: Path, label: str, seed: int = 0, keep_itls: bool = False) -> dict:
     """``vllm bench serve`` once; its saved result, with the load average around it (and
@@ -170,8 +176,7 @@ def _serve_ours(label: str, cluster: Any, hf: Path, args: argparse.Namespace, ou
                 stepper: Stepper | None) -> dict:
     with cluster:
         http = f"http://{cluster.addresses['http']}"
-        wait_http(f"{http}/v1/models")
-        name = json.loads(urllib.request.urlopen(f"{http}/v1/models").read())["data"][0]["id"]
+        name = served_model_name(http)
         metrics = {"gateway": cluster.metrics_addresses["gateway"], "decode": cluster.metrics_addresses["decode-0"]}
         before = {name: scrape(address) for name, address in metrics.items()}
         runs = [bench_serve(args.vllm_python, http, name, hf, args.num_requests, args.concurrency, out_dir, label)]

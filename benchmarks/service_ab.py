@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.serve_vs_vllm import wait_http
+from benchmarks.serve_vs_vllm import served_model_name
 from splitserve.cluster import Cluster
 from splitserve.default_model import ensure_default_model
 
@@ -127,10 +127,7 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     with _clusters(model, sides, log_root) as clusters, ThreadPoolExecutor(args.concurrency) as pool:
         urls = {side: f"http://{c.addresses['http']}" for side, c in clusters.items()}
-        for url in urls.values():
-            wait_http(f"{url}/v1/models")
-        names = {side: json.loads(urllib.request.urlopen(f"{url}/v1/models").read())["data"][0]["id"]
-                 for side, url in urls.items()}
+        names = {side: served_model_name(url) for side, url in urls.items()}
         deadline = time.monotonic() + args.prepare_timeout_s
         while any(_prepared(log_root / side) <= before[side] for side in sides):
             if time.monotonic() > deadline:

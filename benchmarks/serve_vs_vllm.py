@@ -18,7 +18,9 @@ dataset, 256 prompt / 128 output tokens, greedy, EOS ignored) against
   Hugging Face checkpoint, ``export_hf``), ``VLLM_CPU_OMP_THREADS_BIND=0-1``, tcmalloc and
   Intel's OpenMP preloaded (``benchmarks/vllm_preload.py``);
 
-every server with the same KV pool, ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set: ``kv_cache_gib``);
+every server with the same KV pool, ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set: ``kv_cache_gib``),
+ours measured once its workers have logged ``engine_thread.prepared`` (``wait_prepared``), as
+``vllm serve`` answers only after its own warm-up;
 
 first at ``--concurrency`` (throughput, TTFT P50/P99, ITL P50), then at concurrency 1 with
 ``--itl-requests`` requests (ITL P50). For ours it also scrapes the decode worker's and the

@@ -125,7 +125,8 @@ def served_model_name(http: str) -> str:
 
 # What a worker's engine thread logs once its idle preparation (packed weights, the block-row
 # table: Engine.prepare_some) is done; until then a burst's first steps make those pieces
-# themselves, and the first 16 prompts' TTFT grew by 1.1-1.4 s.
+# themselves: the first 16 prompts' last TTFT grew by 0.4 s in a fresh cluster, and by 1.4 s
+# in one run of this benchmark.
 PREPARED = "engine_thread.prepared"
 
 

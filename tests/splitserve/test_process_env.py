@@ -15,16 +15,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_fill_only_what_the_environment_leaves_unset() -> None:
-    assert process_env.defaults({}) == {"GRPC_VERBOSITY": "ERROR", "GOMP_SPINCOUNT": "20000"}
-    assert process_env.defaults({"GRPC_VERBOSITY": "DEBUG", "GOMP_SPINCOUNT": "5"}) == {}
+    assert process_env.defaults({}) == {"GRPC_VERBOSITY": "ERROR", "GOMP_SPINCOUNT": "20000", "MALLOC_ARENA_MAX": "1"}
+    assert process_env.defaults({"GRPC_VERBOSITY": "DEBUG", "GOMP_SPINCOUNT": "5", "MALLOC_ARENA_MAX": "4"}) == {}
     # OMP_WAIT_POLICY has its own spin count: libgomp's reading of it is left alone
-    assert process_env.defaults({"OMP_WAIT_POLICY": "passive"}) == {"GRPC_VERBOSITY": "ERROR"}
+    assert process_env.defaults({"OMP_WAIT_POLICY": "passive"}) == {"GRPC_VERBOSITY": "ERROR", "MALLOC_ARENA_MAX": "1"}
 
 
 def test_apply_sets_the_defaults_and_keeps_the_rest() -> None:
-    environ = {"GOMP_SPINCOUNT": "7", "PATH": "/bin"}
+    environ = {"GOMP_SPINCOUNT": "7", "PATH": "/bin", "MALLOC_ARENA_MAX": "2"}
     process_env.apply(environ)
-    assert environ == {"GOMP_SPINCOUNT": "7", "PATH": "/bin", "GRPC_VERBOSITY": "ERROR"}
+    assert environ == {"GOMP_SPINCOUNT": "7", "PATH": "/bin", "MALLOC_ARENA_MAX": "2", "GRPC_VERBOSITY": "ERROR"}
 
 
 def test_main_applies_them_before_grpc_or_torch_loads() -> None:
@@ -38,10 +38,45 @@ def test_main_applies_them_before_grpc_or_torch_loads() -> None:
         "    cli.main(['--help'])\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print(json.dumps({'loaded': loaded, 'env': {k: os.environ.get(k) for k in ('GRPC_VERBOSITY', 'GOMP_SPINCOUNT')}}))\n"
+        f"print(json.dumps({{'loaded': loaded, 'env': {{k: os.environ.get(k) for k in {VARIABLES!r}}}}}))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("GRPC_VERBOSITY", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, check=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"loaded": [], "env": {"GRPC_VERBOSITY": "ERROR", "GOMP_SPINCOUNT": "20000"}}
+    result = json.loads(_fresh_python(code).stdout.strip().splitlines()[-1])
+    assert result == {"loaded": [], "env": {"GRPC_VERBOSITY": "ERROR", "GOMP_SPINCOUNT": "20000", "MALLOC_ARENA_MAX": "1"}}
+
+
+VARIABLES = ("GRPC_VERBOSITY", "GOMP_SPINCOUNT", "MALLOC_ARENA_MAX")
+# Three threads alive at once, each allocating, then glibc's own account of its arenas (one
+# "Arena N:" block each, on stderr).
+_THREADS_THEN_ARENAS = (
+    "import ctypes, threading\n"
+    "libc = ctypes.CDLL(None)\n"
+    "libc.malloc.restype = ctypes.c_void_p\n"
+    "libc.free.argtypes = [ctypes.c_void_p]\n"
+    "barrier = threading.Barrier(4)\n"
+    "def run():\n"
+    "    libc.free(libc.malloc(1 << 20))\n"
+    "    barrier.wait()\n"
+    "threads = [threading.Thread(target=run) for _ in range(3)]\n"
+    "[t.start() for t in threads]\n"
+    "barrier.wait()\n"
+    "[t.join() for t in threads]\n"
+    "libc.malloc_stats()\n"
+)
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in (*VARIABLES, "OMP_WAIT_POLICY")}
+    return subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=True)
+
+
+def test_main_leaves_glibc_one_arena_for_every_thread() -> None:
+    """``main`` asks glibc for one malloc arena in its own process (the variable is read only
+    at start): threads started afterwards share it. Without that, the same threads get arenas
+    of their own (the control)."""
+    control = _fresh_python(_THREADS_THEN_ARENAS).stderr
+    after_main = _fresh_python("import splitserve.cli as cli\n"
+                               "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+                               + _THREADS_THEN_ARENAS).stderr
+    assert control.count("Arena ") >= 2
+    assert after_main.count("Arena ") == 1

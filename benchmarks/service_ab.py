@@ -16,7 +16,8 @@ calibration pick the slow form for its life). The idle cluster costs nothing. Ea
 each cluster in turn (the order alternating): one request of 256 random prompt tokens and 128
 tokens at c=1, its ITL median and the service's CPU per token (every thread's ``schedstat``
 but the decode worker's pinned engine threads), then a burst of ``--concurrency`` such
-requests, its output tok/s and the service's CPU per token. Per metric: each side's median
+requests, its output tok/s, its last first token (``ttft_max_s``, from the burst's start) and
+the service's CPU per token. Per metric: each side's median
 over the rounds, B/A per round (its median), and in how many rounds B was lower.
 
 Taking turns cancels the drift, not what sets one cluster apart from another started the same
@@ -48,7 +49,7 @@ from splitserve.cluster import Cluster
 from splitserve.default_model import ensure_default_model
 
 INPUT_LEN, OUTPUT_LEN = 256, 128
-METRICS = ("itl_ms", "cpu_ms_per_token_c1", "tok_s", "cpu_ms_per_token")
+METRICS = ("itl_ms", "cpu_ms_per_token_c1", "tok_s", "ttft_max_s", "cpu_ms_per_token")
 SIDES = ("A", "B")
 
 
@@ -140,7 +141,7 @@ def _measure(cluster: Cluster, url: str, name: str, prompt: list[int], burst: li
     outs = list(pool.map(lambda p: _stream(url, name, p), burst))
     tokens = sum(len(o) for o in outs)
     return {"itl_ms": 1e3 * itl, "cpu_ms_per_token_c1": c1_cpu, "tok_s": tokens / (time.perf_counter() - start),
-            "cpu_ms_per_token": (_service_cpu_ms(cluster) - cpu) / tokens}
+            "ttft_max_s": max(o[0] for o in outs) - start, "cpu_ms_per_token": (_service_cpu_ms(cluster) - cpu) / tokens}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -17,8 +17,8 @@ each cluster in turn (the order alternating): one request of 256 random prompt t
 tokens at c=1, its ITL median and the service's CPU per token (every thread's ``schedstat``
 but the decode worker's pinned engine threads), then a burst of ``--concurrency`` such
 requests, its output tok/s, its last first token (``ttft_max_s``, from the burst's start) and
-the service's CPU per token. Per metric: each side's median
-over the rounds, B/A per round (its median), and in how many rounds B was lower.
+the service's CPU per token. Per metric: each side's median over the rounds, B/A per round
+(its median), and in how many rounds B was lower.
 
 Taking turns cancels the drift, not what sets one cluster apart from another started the same
 way: two clusters of the same settings (A/A) kept a c=1 ITL 2% apart over 8 rounds (B lower in

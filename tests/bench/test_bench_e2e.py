@@ -75,7 +75,12 @@ def install_in_venv(wheel: Path, venv: Path) -> Path:
 
 
 def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "SPLITSERVE_MODEL")}
+    """This environment without what would point the installed wheel elsewhere: the checkout's
+    modules, another model, or a native variant forced from outside (the AVX2 test mode may
+    set ``SPLITSERVE_CPU_ISA``; this wheel has no native library, and a forced variant it lacks
+    is refused at start)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "PYTHONHOME", "SPLITSERVE_MODEL", "SPLITSERVE_CPU_ISA")}
 
 
 def run_peers(run_dir: Path) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -48,7 +49,10 @@ def limit_malloc_arenas(count: int) -> bool:
     return mallopt is not None and bool(mallopt(_M_ARENA_MAX, count))
 
 
+@functools.cache
 def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's ``mallopt`` (None elsewhere); looked up once a process (``find_library`` runs
+    ``ldconfig``)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None

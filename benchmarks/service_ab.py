@@ -7,7 +7,7 @@ a test)::
 
 Sequential runs of one setting and then the other could not tell 3-5% effects apart here (the
 batch-1 step swings 6.3-9 ms from one minute to the next); taking turns within one run can:
-docs/architecture.md, "A twenty-first sitting", where it measured ``GOMP_SPINCOUNT``.
+docs/measurements.md, "A twenty-first sitting", where it measured ``GOMP_SPINCOUNT``.
 
 Both clusters (HTTP front, gateway, one decode worker on 2 threads) start on the default
 model, then the run waits until both decode workers have logged ``engine_thread.prepared``: a
@@ -23,7 +23,7 @@ the service's CPU per token. Per metric: each side's median over the rounds, B/A
 Taking turns cancels the drift, not what sets one cluster apart from another started the same
 way: two clusters of the same settings (A/A) kept a c=1 ITL 2% apart over 8 rounds (B lower in
 1), and a change that measured 0.92x here measured 1.02x toggled live inside one cluster
-(docs/architecture.md, "A twenty-second sitting"). ``--replicas N`` starts N clusters a side,
+(docs/measurements.md, "A twenty-second sitting"). ``--replicas N`` starts N clusters a side,
 each round goes through all of them, a side's figure per round is its clusters' mean, and per
 metric ``replica_spread`` gives each side's median over the rounds of its slowest cluster
 against its fastest: a B/A inside that spread says nothing.

@@ -43,7 +43,7 @@ def limit_malloc_arenas(count: int) -> bool:
     an arena other than the main one grows in heaps of at most 64 MiB that go back to the
     kernel whenever one is wholly free, whatever ``tune_glibc_malloc`` asks. A served worker's
     engine thread allocates and frees buffers of up to 25 MB in every layer of a prefill step,
-    so they were page-faulted in again step after step (docs/architecture.md, "A
+    so they were page-faulted in again step after step (docs/measurements.md, "A
     twenty-third sitting"). Returns False where glibc is not the allocator."""
     mallopt = _mallopt()
     return mallopt is not None and bool(mallopt(_M_ARENA_MAX, count))

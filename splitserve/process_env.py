@@ -14,12 +14,12 @@ already sets is left as it is.
   then sleeps, its core looks idle, and the scheduler puts those service threads there
   instead of on the core of the thread that is about to start the next step. Inside a step
   the gaps between parallel regions are far shorter, so the helper still spins through them.
-  docs/architecture.md ("A twenty-first sitting") has the measurements: the c=1 ITL through
+  docs/measurements.md ("A twenty-first sitting") has the measurements: the c=1 ITL through
   the front 4-5% lower, in-process steps unchanged.
 * ``MALLOC_ARENA_MAX=1``: one glibc malloc arena for every thread, so that the engine
   thread's large activations come from the main heap, which keeps them between steps, not
   from heaps of their own that glibc unmaps once free (``engine.cpu_tuning.limit_malloc_arenas``
-  and docs/architecture.md, "A twenty-third sitting"). glibc reads the variable only when a
+  and docs/measurements.md, "A twenty-third sitting"). glibc reads the variable only when a
   process starts: ``apply`` sets it for the processes this one starts, and for this one
   asks glibc directly.
 """

@@ -33,6 +33,14 @@ class EngineConfig:
     (engine/quant/linear.py; int4 in groups of ``quant_group_size`` input features);
     ``kv_cache_dtype="int8"`` stores K/V as int8 with a float32 scale per token and head
     (kernels/splitserve_kernels/kv_int8.py); ``"auto"`` stores them in ``dtype``.
+
+    ``batch_invariant``: every float32 linear runs the native panel GEMM at every row count,
+    whose sums run in an order fixed by the weight's shape alone, so a request's logits are the
+    same bits whatever else its steps carry (the AVX2 library's route; the AVX-512 library
+    otherwise hands calls of 129 rows and more to oneDNN, whose bits depend on the row count).
+    It needs the native library and float32 weights, and refuses quantization and speculative
+    decoding (a request's verify rows take another attention path as the batch changes).
+    docs/architecture.md, "Batch invariance", says what it covers and what it costs.
     """
 
     model: str
@@ -55,6 +63,7 @@ class EngineConfig:
     quant_group_size: int = 32  # int4: input features per scale/zero group
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "int8"
     keep_gguf_blocks: bool = True  # float32: a GGUF file's Q8_0 / Q4_1 tensors stay blocks
+    batch_invariant: bool = False  # a request's logits the same bits in any batch (above)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -78,6 +87,7 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         self._validate_quantization()
+        self._validate_batch_invariant()
 
     def _validate_quantization(self) -> None:
         if self.quantization not in _QUANTIZATIONS:
@@ -86,6 +96,17 @@ class EngineConfig:
             raise ValueError(f"quant_group_size must be one of {_QUANT_GROUP_SIZES}, got {self.quant_group_size}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+    def _validate_batch_invariant(self) -> None:
+        if not self.batch_invariant:
+            return
+        for field, value, allowed in (("dtype", self.dtype, "float32"), ("device", self.device, "cpu"),
+                                      ("quantization", self.quantization, "none")):
+            if value != allowed:
+                raise ValueError(f"batch_invariant needs {field}={allowed!r}, got {value!r}")
+        if self.speculative is not None:
+            raise ValueError("batch_invariant refuses speculative decoding: a request's verify rows take "
+                             "another attention path as the batch changes")
 
     @property
     def quantization_name(self) -> str:

@@ -140,7 +140,8 @@ class ModelRunner:
         quant = None if config.quantization == "none" else WeightQuant(config.quantization, config.quant_group_size)
         weights = load_weights(config.model, self.dtype, kept_gguf_types(
             quant, self.device, self.dtype, config.keep_gguf_blocks))
-        self.model = LlamaModel(self.spec, self.hf_config, weights, self.max_model_len, self.device, quant)
+        self.model = LlamaModel(self.spec, self.hf_config, weights, self.max_model_len, self.device, quant,
+                                config.batch_invariant)
         self.block_size = config.block_size
         self.num_kv_blocks = config.resolve_num_kv_blocks(
             self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim

@@ -262,6 +262,9 @@ def add_engine_flags(p: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(p, "--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     add_flag(p, "--max-model-len", type=int, default=None, help="cap on prompt + output")
     add_flag(p, "--threads", type=int, default=1, help="torch threads")
+    add_flag(p, "--batch-invariant", action="store_true",
+             help="a request's logits the same bits whatever else its steps carry: the panel GEMM at every "
+                  "row count (float32, native kernels; no quantization or speculative decoding)")
     add_flag(p, "--speculative", default="none", choices=["none", "ngram", "draft_model", "ngram_draft"],
              help="speculative decoding (decode worker)")
     add_flag(p, "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
@@ -283,6 +286,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_threads=args.threads, speculative=speculative, quantization=args.quantization,
         quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
+        batch_invariant=args.batch_invariant,
         detokenize=False,  # workers stream token ids; the gateway detokenizes
     )
 

@@ -93,9 +93,12 @@ MIN_PACKED_ROWS = 4
 log = structlog.get_logger(__name__)
 
 
-def panel_rows() -> float:
-    """float32 inputs of fewer rows than this run the native panel GEMM (0: none)."""
-    return PANEL_ROWS.get(native_kernels().variant or "", 0)
+def panel_rows(batch_invariant: bool = False) -> float:
+    """float32 inputs of fewer rows than this run the native panel GEMM (0: none); with
+    ``batch_invariant`` every row count, where the library has the panel GEMM at all
+    (``EngineConfig.batch_invariant``)."""
+    rows = PANEL_ROWS.get(native_kernels().variant or "", 0)
+    return math.inf if batch_invariant and rows > 0 else rows
 
 
 def panel_gemm() -> bool:
@@ -181,7 +184,7 @@ class Linear:
     pays it. Calls come from the one engine thread, so the lazy reorder needs no lock."""
 
     def __init__(self, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None,
-                 prepack: bool = True) -> None:
+                 prepack: bool = True, batch_invariant: bool = False) -> None:
         blocks = weight if isinstance(weight, BlockWeight) else None
         weight = blocks.dequantize() if blocks is not None else weight
         self.out_features, self.in_features = weight.shape
@@ -191,7 +194,7 @@ class Linear:
         self.block_panels: torch.Tensor | None = None  # set by the first block panel call
         self.weight: torch.Tensor | None = weight
         float32_cpu = weight.dtype == torch.float32 and weight.device.type == "cpu"
-        self.panel_rows = panel_rows() if prepack and float32_cpu else 0  # fewer rows: panels
+        self.panel_rows = panel_rows(batch_invariant) if prepack and float32_cpu else 0  # fewer rows: panels
         # GGUF blocks whose groups of 32 tile the input, where panels serve: block panels below
         # BLOCK_PANEL_ROWS rows (module docstring).
         self.blocks = blocks if self.panel_rows > 0 and self.in_features % 32 == 0 else None

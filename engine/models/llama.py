@@ -26,6 +26,7 @@ bound where the CPU has AVX512_BF16 (engine/models/greedy_head.py), the same tok
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.greedy_head import GreedyHead
-from engine.models.linear import BlockRows, Linear, measure_block_rows
+from engine.models.linear import BlockRows, Linear, measure_block_rows, panel_rows
 from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
 from engine.quant.linear import (
@@ -91,11 +92,17 @@ class LlamaModel:
         max_model_len: int,
         device: torch.device,
         quant: WeightQuant | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.spec = spec
         self.device = device
         self.quant = quant  # weight-only quantization at load (engine/quant/linear.py)
-        self._linear = linear_factory(quant, dense=Linear)
+        if batch_invariant and not (device.type == "cpu" and panel_rows(batch_invariant) > 0):
+            raise ValueError("batch_invariant needs the native library's panel GEMM on CPU (this process "
+                             f"runs {native_kernels().variant or 'the torch references'} on {device.type})")
+        # float32 layers; batch_invariant: on the panel GEMM at every row count (EngineConfig).
+        self._dense = functools.partial(Linear, batch_invariant=batch_invariant)
+        self._linear = linear_factory(quant, dense=self._dense)
         self.scale = spec.head_dim**-0.5
         self._load(weights)
         # Every op of a layer native on float32: the layer in one call (module docstring).
@@ -130,9 +137,9 @@ class LlamaModel:
         self.layers = [self._load_layer(weights, i) for i in range(spec.num_layers)]
         self.final_norm = self._take(weights, "model.norm.weight")
         if spec.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = lm_head_linear(embed, self.quant, dense=Linear)
+            self.lm_head = lm_head_linear(embed, self.quant, dense=self._dense)
         else:
-            self.lm_head = lm_head_linear(self._take(weights, "lm_head.weight"), self.quant, dense=Linear)
+            self.lm_head = lm_head_linear(self._take(weights, "lm_head.weight"), self.quant, dense=self._dense)
 
     def _load_layer(self, w: dict[str, torch.Tensor], i: int) -> _Layer:
         p = f"model.layers.{i}."

@@ -1,6 +1,6 @@
-"""Quantization settings at the service edges: flags and SPLITSERVE_* variables reach the
-engine config, registrations report them (GetInfo), and the KV channel handshake refuses a
-peer whose KV dtype differs with FAILED_PRECONDITION naming the field."""
+"""Quantization settings (and batch invariance) at the service edges: flags and SPLITSERVE_*
+variables reach the engine config, registrations report them (GetInfo), and the KV channel
+handshake refuses a peer whose KV dtype differs with FAILED_PRECONDITION naming the field."""
 
 from __future__ import annotations
 
@@ -101,3 +101,13 @@ def test_handshake_refuses_a_peer_with_another_kv_dtype() -> None:
         assert "dtype: local='int8' peer='float32'" in info.value.message
 
     asyncio.run(run())
+
+
+def test_batch_invariant_reaches_the_engine_config_and_is_refused_with_quantization(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cfg.engine_config(_worker_args([])).batch_invariant is False
+    assert cfg.engine_config(_worker_args(["--batch-invariant"])).batch_invariant is True
+    monkeypatch.setenv("SPLITSERVE_BATCH_INVARIANT", "1")
+    assert cfg.engine_config(_worker_args([])).batch_invariant is True
+    with pytest.raises(ValueError, match="batch_invariant needs quantization='none', got 'int8'"):
+        cfg.engine_config(_worker_args(["--quantization", "int8"]))

@@ -1,8 +1,10 @@
 """``EngineConfig.batch_invariant``: a request's tokens and logprobs are the same bits alone
 and beside a long prompt, greedy and seeded. The long prompt makes the first step 320 rows,
 past the 129 from which the AVX-512 library hands float32 linears to oneDNN by default, whose
-sums then run in another order (the control below shows the difference there); the AVX2
-library runs the panel GEMM at every row count either way. Also what the setting refuses."""
+sums then run in another order: without the setting, on the Zen 5 this was written on, the
+logprobs differed in their last bits (at the tiny model's widths oneDNN's sums happened to
+agree, hence ``WIDE``). The AVX2 library runs the panel GEMM at every row count either way.
+Also what the setting refuses."""
 
 from __future__ import annotations
 
@@ -40,12 +42,6 @@ def _alone_and_beside(path: Path, params: SamplingParams, **config: object) -> t
 def test_the_same_bits_alone_and_beside_a_long_prompt(ckpt_dir: Callable[..., Path], params: SamplingParams) -> None:
     alone, beside = _alone_and_beside(ckpt_dir("llama", **WIDE), params, batch_invariant=True)
     assert alone == beside
-
-
-@pytest.mark.skipif(native_kernels().variant != "avx512", reason="the AVX2 library is batch-invariant anyway")
-def test_without_it_the_avx512_library_gives_other_bits_beside_a_long_prompt(ckpt_dir: Callable[..., Path]) -> None:
-    alone, beside = _alone_and_beside(ckpt_dir("llama", **WIDE), GREEDY)
-    assert alone[1] != beside[1]  # the logprobs' last bits: the scenario above is a real test
 
 
 @pytest.mark.parametrize("field, value", [

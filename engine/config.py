@@ -34,13 +34,14 @@ class EngineConfig:
     ``kv_cache_dtype="int8"`` stores K/V as int8 with a float32 scale per token and head
     (kernels/splitserve_kernels/kv_int8.py); ``"auto"`` stores them in ``dtype``.
 
-    ``batch_invariant``: every float32 linear runs the native panel GEMM at every row count,
-    whose sums run in an order fixed by the weight's shape alone, so a request's logits are the
-    same bits whatever else its steps carry (the AVX2 library's route; the AVX-512 library
-    otherwise hands calls of 129 rows and more to oneDNN, whose bits depend on the row count).
-    It needs the native library and float32 weights, and refuses quantization and speculative
-    decoding (a request's verify rows take another attention path as the batch changes).
-    docs/architecture.md, "Batch invariance", says what it covers and what it costs.
+    ``batch_invariant``: every float32 linear runs the native panel GEMM at every row count
+    (its sums in an order fixed by the weight's shape), and paged attention attends every row
+    as a decode row with its keys never split, so a row's output depends on its own query and
+    keys alone: a request's logits are the same bits whatever else its steps carry, and a
+    prefill of prompt + sent tokens continues its stream bit for bit. It needs the native
+    library and float32 weights, and refuses quantization and speculative decoding (whether a
+    request speculates depends on the batch, and a sampled request's tokens on its drafts). docs/architecture.md, "Batch invariance", says what it
+    covers and what it costs.
     """
 
     model: str
@@ -105,8 +106,8 @@ class EngineConfig:
             if value != allowed:
                 raise ValueError(f"batch_invariant needs {field}={allowed!r}, got {value!r}")
         if self.speculative is not None:
-            raise ValueError("batch_invariant refuses speculative decoding: a request's verify rows take "
-                             "another attention path as the batch changes")
+            raise ValueError("batch_invariant refuses speculative decoding: whether a request speculates "
+                             "depends on the batch, and a sampled request's tokens on its drafts")
 
     @property
     def quantization_name(self) -> str:

@@ -22,9 +22,9 @@ class SamplingParams:
     ``logprobs=n > 0``, the n most likely alternatives.
 
     A request with ``seed`` set draws from its own generator, so it yields the same tokens
-    whether it runs alone or in any batch wherever its logits are the same bits in both: with
-    the AVX2 library always, with the AVX-512 library below 129 rows a step or with
-    ``EngineConfig.batch_invariant`` (docs/architecture.md, "Batch invariance").
+    whether it runs alone or in any batch wherever its logits are the same bits in both: always
+    with ``EngineConfig.batch_invariant``, else up to near-ties of its draws
+    (docs/architecture.md, "Batch invariance").
     """
 
     temperature: float = 1.0

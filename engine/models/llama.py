@@ -101,6 +101,7 @@ class LlamaModel:
             raise ValueError("batch_invariant needs the native library's panel GEMM on CPU (this process "
                              f"runs {native_kernels().variant or 'the torch references'} on {device.type})")
         # float32 layers; batch_invariant: on the panel GEMM at every row count (EngineConfig).
+        self.batch_invariant = batch_invariant  # and attention: every row as a decode row
         self._dense = functools.partial(Linear, batch_invariant=batch_invariant)
         self._linear = linear_factory(quant, dense=self._dense)
         self.scale = spec.head_dim**-0.5
@@ -269,7 +270,7 @@ class LlamaModel:
             mlp_out = torch.ops.splitserve.decoder_layers(
                 x, self._decoder_weights(x.shape[0]), cos, sin, kv_cache, kv.slot_mapping, kv.block_tables,
                 kv.seq_lens, kv.query_start_loc, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                spec.intermediate_size, spec.rms_norm_eps, self.scale,
+                spec.intermediate_size, spec.rms_norm_eps, self.scale, self.batch_invariant,
             )
             return x, mlp_out
         mlp_out = None
@@ -343,7 +344,8 @@ class LlamaModel:
         ops.rotary_(qk, cos, sin)
         q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
         ops.write_kv(k, v, k_cache, v_cache, kv.slot_mapping)
-        attn = ops.paged_attention(q, k_cache, v_cache, kv.block_tables, kv.seq_lens, kv.query_start_loc, self.scale)
+        attn = ops.paged_attention(q, k_cache, v_cache, kv.block_tables, kv.seq_lens, kv.query_start_loc, self.scale,
+                                   self.batch_invariant)
         # The residual stream x is this forward's own tensor: updated in place.
         h = ops.add_rms_norm_(x, layer.o(attn.reshape(num_tokens, spec.q_size)), layer.post_norm, spec.rms_norm_eps)
         return layer.down(ops.silu_mul(layer.gate_up(h)))

@@ -25,7 +25,7 @@ void check_sequence(const PlanInputs& in, int64_t s) {
 }
 
 int64_t tile_tokens(const PlanInputs& in) {
-  return std::max<int64_t>(1, kMaxRows / in.group);
+  return in.one_token_items ? 1 : std::max<int64_t>(1, kMaxRows / in.group);
 }
 
 // (query row x key) pairs of the whole call, over every KV head.
@@ -52,7 +52,7 @@ void add_tile(const PlanInputs& in, int64_t s, int64_t t0, int64_t n, int64_t ta
   const int64_t key_end = pos_begin + n;  // the tile's last token sees keys 0 .. pos_begin + n - 1
   const int64_t rows = n * in.group;
   int64_t num_splits = 1;
-  if (plan.num_threads > 1 && rows * key_end > target) {
+  if (!in.one_token_items && plan.num_threads > 1 && rows * key_end > target) {
     num_splits = std::min((rows * key_end + target - 1) / target, key_end / kMinSplitKeys);
     num_splits = std::max<int64_t>(num_splits, 1);
   }

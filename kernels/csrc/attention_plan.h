@@ -66,6 +66,10 @@ struct PlanInputs {
   int64_t group;  // query heads per KV head
   int64_t num_threads;
   bool whole_decode = false;  // decode tiles may be one item over every KV head (module comment)
+  // Batch invariance (EngineConfig.batch_invariant): every item one token, its keys never split,
+  // so each row is attended by the same code on the same keys whatever the call holds: a
+  // prompt's row as a decode row, in any batch and any chunk of its prompt.
+  bool one_token_items = false;
 };
 
 // Validates the batch (raises ValueError naming the sequence) and cuts it into items.

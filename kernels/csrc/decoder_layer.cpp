@@ -87,7 +87,7 @@ at::Tensor decoder_layer_cpu(
     const at::Tensor& slot_mapping,            // [T]
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-    double scale) {
+    double scale, bool batch_invariant) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                     "decoder_layer: x must be a contiguous float32 [tokens, hidden], got ", x.scalar_type(), " ",
                     x.sizes());
@@ -109,7 +109,8 @@ at::Tensor decoder_layer_cpu(
   } else {
     write_kv_cpu(k, v, k_cache, v_cache, slot_mapping);
   }
-  const at::Tensor attn = paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+  const at::Tensor attn =
+      paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, batch_invariant);
   // ops.add_rms_norm_(x, layer.o(attn), post_norm), then layer.down(ops.silu_mul(layer.gate_up(h)))
   h = add_rms_norm_cpu(x, layer_linear(attn.reshape({T, H * D}), o, hidden, std::nullopt), post_norm, eps);
   return layer_linear(silu_mul_cpu(layer_linear(h, gate_up, 2 * intermediate, std::nullopt)), down, hidden,
@@ -123,7 +124,7 @@ at::Tensor decoder_layers_cpu(
     at::Tensor& kv_cache,                               // [layers, 2, ...]: layer i's K is kv_cache[i, 0], V [i, 1]
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate, double eps, double scale) {
+    int64_t intermediate, double eps, double scale, bool batch_invariant) {
   const int64_t L = weights->num_layers();
   TORCH_CHECK_VALUE(kv_cache.dim() >= 3 && kv_cache.size(0) == L && kv_cache.size(1) == 2,
                     "decoder_layers: kv_cache must be [", L, " layers, 2, ...], got ", kv_cache.sizes());
@@ -136,7 +137,8 @@ at::Tensor decoder_layers_cpu(
     at::Tensor v_cache = layer_cache.select(0, 1);
     mlp_out = decoder_layer_cpu(x, mlp_out, *w[b], *w[b + 1], w[b + 2], *w[b + 3], *w[b + 4], *w[b + 5],
                                 *w[b + 6], cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                                query_start_loc, num_heads, num_kv_heads, head_dim, intermediate, eps, scale);
+                                query_start_loc, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
+                                batch_invariant);
   }
   return *mlp_out;
 }
@@ -155,7 +157,7 @@ TORCH_LIBRARY_FRAGMENT(splitserve, m) {
       "decoder_layers(Tensor(a!) x, __torch__.torch.classes.splitserve.DecoderWeights weights, Tensor cos, "
       "Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps, "
-      "float scale) -> Tensor");
+      "float scale, bool batch_invariant=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) { m.impl("decoder_layers", &splitserve::decoder_layers_cpu); }

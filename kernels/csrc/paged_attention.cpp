@@ -695,7 +695,7 @@ void dispatch_head_dim(const Call<scalar_t>& c, const AttentionPlan& plan) {
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                               double scale) {
+                               double scale, bool batch_invariant) {
   PagedArgs args = check_paged_attention_args(query, k_cache, v_cache, block_tables, seq_lens,
                                               query_start_loc, scale);
   at::Tensor out = at::empty(query.sizes(), query.options());
@@ -704,6 +704,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   const auto& g = args.geometry;
   inputs.whole_decode = kHasDirectScores && query.scalar_type() == at::kFloat && g.group <= kDirectMaxRows &&
                         (g.head_dim == 32 || g.head_dim == 64 || g.head_dim == 96 || g.head_dim == 128);
+  inputs.one_token_items = batch_invariant;
   const AttentionPlan plan = make_attention_plan(inputs);
   if (k_cache.scalar_type() == at::kChar) {  // int8 cache, float32 queries (checked)
     Call<float> call{args.query.data_ptr<float>(), nullptr, nullptr, out.data_ptr<float>(),

@@ -16,7 +16,8 @@ at::Tensor paged_attention_cpu(
     const at::Tensor& block_tables,     // [num_seqs, max_blocks_per_seq] int32/int64
     const at::Tensor& seq_lens,         // [num_seqs] int32/int64
     const at::Tensor& query_start_loc,  // [num_seqs + 1] int32/int64
-    double scale);
+    double scale,
+    bool batch_invariant = false);      // PlanInputs::one_token_items
 
 // Store each token's K/V rows at its slot (block_id * block_size + offset); a negative slot
 // skips the token. Same contract as splitserve_kernels.kv_write.write_kv_ref.

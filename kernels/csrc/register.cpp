@@ -10,7 +10,7 @@
 TORCH_LIBRARY(splitserve, m) {
   m.def(
       "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
+      "Tensor seq_lens, Tensor query_start_loc, float scale, bool batch_invariant=False) -> Tensor");
   m.def(
       "write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");

@@ -164,7 +164,8 @@ def _register_fakes() -> None:
     """Shapes without data, for tracing (torch.compile, meta tensors)."""
 
     @torch.library.register_fake("splitserve::paged_attention")
-    def _paged_attention_fake(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    def _paged_attention_fake(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                              batch_invariant=False):
         return torch.empty_like(query, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("splitserve::write_kv")
@@ -201,7 +202,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("splitserve::decoder_layers")
     def _decoder_layers_fake(x, weights, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                             num_heads, num_kv_heads, head_dim, intermediate, eps, scale):
+                             num_heads, num_kv_heads, head_dim, intermediate, eps, scale, batch_invariant=False):
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("splitserve::write_kv_int8")
@@ -221,10 +222,11 @@ def paged_attention_native(
     seq_lens: torch.Tensor,  # [num_seqs] int32/int64, new tokens included
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64
     scale: float,
+    batch_invariant: bool = False,  # every row as a decode row, keys never split (attention_plan.h)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], contiguous
     """The native kernel (loaded by :func:`native_kernels`); same contract as the reference."""
     return torch.ops.splitserve.paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, batch_invariant
     )
 
 

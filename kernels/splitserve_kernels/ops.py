@@ -67,10 +67,18 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32/int64, new tokens included
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64
     scale: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a ragged batch (decode, prefill, chunked prefill) over paged KV.
     An int8 cache is dequantized inside the attention call (kv_int8.py); the native
-    kernel reads its rows and scales in place (float32 queries)."""
+    kernel reads its rows and scales in place (float32 queries). ``batch_invariant``
+    (``EngineConfig.batch_invariant``): the native kernel attends every row as a decode row, its
+    keys never split, so a row's output depends on its own query and keys alone."""
+    if batch_invariant:
+        if not (use_native(query.device) and query.dtype == torch.float32):
+            raise ValueError("paged_attention: batch_invariant needs the native kernel and float32 queries")
+        return paged_attention_native(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      batch_invariant=True)
     if k_cache.dtype == torch.int8:
         if use_triton(query.device):
             int8_impl = paged_attention_int8_triton

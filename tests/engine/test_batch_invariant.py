@@ -59,3 +59,17 @@ def test_refused_at_load_without_the_panel_gemm(ckpt_dir: Callable[..., Path], m
     monkeypatch.setattr(llama, "panel_rows", lambda batch_invariant=False: 0)  # as with the torch references
     with pytest.raises(ValueError, match="batch_invariant needs the native library's panel GEMM"):
         make_engine(ckpt_dir("llama"), batch_invariant=True)
+
+
+def test_a_prefilled_continuation_is_the_unbroken_stream_bit_for_bit(ckpt_dir: Callable[..., Path]) -> None:
+    # What a migration, a resumed stream and a preempted request's recompute do: prefill the
+    # prompt and the tokens already sent, then go on. The prompt rows are attended as decode
+    # rows are, so what follows is the unbroken stream's tokens and logprobs, bit for bit.
+    engine = make_engine(ckpt_dir("llama", **WIDE), batch_invariant=True, enable_prefix_caching=False)
+    unbroken = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                        logprobs=2))[0]
+    for sent in (1, 8, 15):
+        rest = engine.generate([PROMPT + unbroken.token_ids[:sent]], SamplingParams(
+            temperature=0.0, max_tokens=16 - sent, ignore_eos=True, logprobs=2))[0]
+        assert (rest.token_ids, rest.logprobs, rest.top_logprobs) == (
+            unbroken.token_ids[sent:], unbroken.logprobs[sent:], unbroken.top_logprobs[sent:]), sent

@@ -299,3 +299,57 @@ def test_avx2_library_on_an_avx2_capability() -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# -- batch_invariant (EngineConfig.batch_invariant: attention_plan.h, one_token_items) ------
+
+
+def _rows(args: tuple, seqs: list[int]) -> tuple:
+    """The sub-batch of ``args`` (a decode batch: one query row per sequence) with these sequences."""
+    query, k_cache, v_cache, block_tables, seq_lens, _ = args
+    pick = torch.tensor(seqs)
+    return (query[pick], k_cache, v_cache, block_tables[pick], seq_lens[pick],
+            torch.arange(len(seqs) + 1, dtype=torch.int32))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_invariant_decode_row_alone_and_in_a_busy_call(threads) -> None:
+    # 6000 keys beside 24 sequences of 300: at 2 threads the call is big enough to split the
+    # long tile's keys over items by default, alone it is not; with batch_invariant never.
+    lens = [6000] + [300] * 24
+    args = shared_page_batch([1] * len(lens), lens, block_size=16, group=3, head_dim=64, seed=7)
+    with intra_op_threads(threads):
+        busy = paged_attention_native(*args, 0.125, batch_invariant=True)
+        alone = paged_attention_native(*_rows(args, [0]), 0.125, batch_invariant=True)
+        torch.testing.assert_close(busy, paged_attention_ref(*args, 0.125), **F32_TOL)
+    assert torch.equal(alone[0], busy[0])
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 1), (80, 2)])
+def test_batch_invariant_prompt_rows_are_decode_rows(head_dim, group) -> None:
+    # A chunk of 40 prompt tokens after 260 cached ones, in one call, gives each row the bits
+    # that row gets as a decode row (its own call, the keys up to it): what makes a prefill of
+    # prompt + sent tokens (a migration, a resumed stream, a preempted request) continue a
+    # stream bit for bit.
+    args = shared_page_batch([40], [300], block_size=16, group=group, head_dim=head_dim, seed=head_dim)
+    query, k_cache, v_cache, block_tables, _, _ = args
+    scale = head_dim**-0.5
+    with intra_op_threads(2):
+        chunk = paged_attention_native(*args, scale, batch_invariant=True)
+        torch.testing.assert_close(chunk, paged_attention_ref(*args, scale), **F32_TOL)
+        for t in range(40):
+            one = paged_attention_native(query[t : t + 1], k_cache, v_cache, block_tables,
+                                         torch.tensor([261 + t], dtype=torch.int32),
+                                         torch.tensor([0, 1], dtype=torch.int32), scale, batch_invariant=True)
+            assert torch.equal(one[0], chunk[t]), t
+
+
+@needs_native
+def test_batch_invariant_needs_the_native_kernel_and_float32_queries() -> None:
+    from splitserve_kernels import ops
+
+    args = shared_page_batch([1], [20], block_size=16, group=2, head_dim=32, seed=0)
+    with pytest.raises(ValueError, match="batch_invariant needs the native kernel and float32 queries"):
+        ops.paged_attention(args[0].bfloat16(), *args[1:], 0.2, batch_invariant=True)

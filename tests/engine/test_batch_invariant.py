@@ -61,11 +61,14 @@ def test_refused_at_load_without_the_panel_gemm(ckpt_dir: Callable[..., Path], m
         make_engine(ckpt_dir("llama"), batch_invariant=True)
 
 
-def test_a_prefilled_continuation_is_the_unbroken_stream_bit_for_bit(ckpt_dir: Callable[..., Path]) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_prefilled_continuation_is_the_unbroken_stream_bit_for_bit(ckpt_dir: Callable[..., Path],
+                                                                    kv_cache_dtype: str) -> None:
     # What a migration, a resumed stream and a preempted request's recompute do: prefill the
     # prompt and the tokens already sent, then go on. The prompt rows are attended as decode
     # rows are, so what follows is the unbroken stream's tokens and logprobs, bit for bit.
-    engine = make_engine(ckpt_dir("llama", **WIDE), batch_invariant=True, enable_prefix_caching=False)
+    engine = make_engine(ckpt_dir("llama", **WIDE), batch_invariant=True, enable_prefix_caching=False,
+                         kv_cache_dtype=kv_cache_dtype)
     unbroken = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                                         logprobs=2))[0]
     for sent in (1, 8, 15):

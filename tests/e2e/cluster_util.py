@@ -21,6 +21,7 @@ MODEL = str(ROOT / "models" / "target")
 @dataclass
 class Streamed:
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # where the request asked for them
     text: str = ""
     chunks: int = 0
     finish_reason: int = 0
@@ -39,6 +40,7 @@ def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float = 
             for chunk in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout):
                 assert out.finish_reason == 0, "a chunk arrived after the final one"
                 out.token_ids += list(chunk.token_ids)
+                out.logprobs += [lp.logprob for lp in chunk.logprobs]
                 out.text += chunk.text
                 out.chunks += 1
                 out.request_id = chunk.request_id

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.greedy_head import GreedyHead
-from engine.models.linear import BlockRows, Linear, measure_block_rows, panel_rows
+from engine.models.linear import BlockRows, Linear, measure_block_rows, panel_gemm
 from engine.models.loader import rope_inv_freq
 from engine.models.spec import ModelSpec
 from engine.quant.linear import (
@@ -97,7 +97,7 @@ class LlamaModel:
         self.spec = spec
         self.device = device
         self.quant = quant  # weight-only quantization at load (engine/quant/linear.py)
-        if batch_invariant and not (device.type == "cpu" and panel_rows(batch_invariant) > 0):
+        if batch_invariant and not (device.type == "cpu" and panel_gemm()):
             raise ValueError("batch_invariant needs the native library's panel GEMM on CPU (this process "
                              f"runs {native_kernels().variant or 'the torch references'} on {device.type})")
         # float32 layers; batch_invariant: on the panel GEMM at every row count (EngineConfig).

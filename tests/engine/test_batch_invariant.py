@@ -56,7 +56,7 @@ def test_what_it_refuses_is_named(field: str, value: object) -> None:
 def test_refused_at_load_without_the_panel_gemm(ckpt_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.models.llama as llama
 
-    monkeypatch.setattr(llama, "panel_rows", lambda batch_invariant=False: 0)  # as with the torch references
+    monkeypatch.setattr(llama, "panel_gemm", lambda: False)  # as with the torch references
     with pytest.raises(ValueError, match="batch_invariant needs the native library's panel GEMM"):
         make_engine(ckpt_dir("llama"), batch_invariant=True)
 

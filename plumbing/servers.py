@@ -20,7 +20,11 @@ drain (``drain``), in order:
 2. health ``Watch`` streams end;
 3. the public and internal servers stop: new calls refused, in-flight ones get
    ``drain_timeout_s`` to finish, then are cancelled;
-4. the health port closes last.
+4. the health port closes last, giving the checks it has accepted up to
+   ``HEALTH_CLOSE_GRACE_S`` to be answered. A check accepted but not yet started when a
+   server stops without a grace is cancelled before its handler runs, and grpc then prints
+   a raw traceback to stderr (``_schedule_rpc_coro``'s ``traceback.print_exc``), outside
+   the JSON log.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ PUBLIC, INTERNAL, HEALTH = "public", "internal", "health"
 # The health service name liveness probes check: SERVING while the event loop answers, also
 # while starting (no decode worker yet) and draining, when the server ("") is NOT_SERVING.
 LIVENESS = "liveness"
+# How long the health port's last checks get to be answered when it closes. A check takes
+# microseconds; the bound only matters if the event loop is stalled.
+HEALTH_CLOSE_GRACE_S = 1.0
 Register = Callable[[grpc.aio.Server], None]
 
 
@@ -120,7 +127,7 @@ class Servers:
         working = [s for s in self.surfaces.values() if s.name != HEALTH]
         await asyncio.gather(*(s.server.stop(timeout_s) for s in working))
         if HEALTH in self.surfaces:
-            await self.surfaces[HEALTH].server.stop(0)
+            await self.surfaces[HEALTH].server.stop(HEALTH_CLOSE_GRACE_S)
 
 
 def write_ready_file(path: str, surfaces: dict[str, str | None]) -> None:

@@ -16,7 +16,8 @@ the weights held in C++ (``_decoder_weights``), so that a call lets go of its fe
 tensors only, not of every weight (each a turn of the interpreter lock). That holds
 for forwards of fewer tokens than every linear serves there: the panel GEMM every count on AVX2,
 below 129 on AVX-512, where oneDNN serves more rows (engine/models/linear.py); GGUF blocks
-(engine/quant/linear.py) every count.
+(engine/quant/linear.py) every count. A step of many sequences runs them there in groups, one
+per thread (``seq_groups``).
 
 ``greedy`` gives the tokens of rows that want nothing but the argmax of their logits (the
 runner's plain greedy rows): through a bfloat16 screen of the LM head with a rigorous error
@@ -43,6 +44,49 @@ from engine.quant.linear import (
 )
 from splitserve_kernels import ops
 from splitserve_kernels.native import native_kernels
+
+# decoder_layers' groups (kernels/csrc/decoder_layer.cpp; seq_groups): from GROUP_MIN_ROWS to
+# GROUP_MAX_ROWS rows a step's sequences run as one group per intra-op thread. Measured on
+# the hot_path workload (AMD EPYC Zen 5, 2 threads, decode steps): 8 rows 15.2 -> 23.5 ms and
+# 16 rows 19.0 -> 24.3 (each thread converts or reads every weight: twice the work where the
+# weights, not the rows, set the time), 32 rows 32.1 -> 32.1, 48 rows 46.6 -> 41.9, 64 rows
+# 61 -> 58-59 with contexts of 16-384 keys and 55 -> 49 with 16-144; AVX2 64 rows 99 -> 97-98,
+# but its 2048-row prefill steps 8.9 -> 10.0 s, hence the cap.
+GROUP_MIN_ROWS, GROUP_MAX_ROWS = 48, 128
+# What a sequence's row of GEMMs costs, in keys of its attention (one key: its K and V rows
+# read in every layer). With 100 the two groups of a 64-row decode step finished within ~2
+# ms of ~50; with 400, group 0 (the longer contexts there) 3-6 ms after group 1.
+ROW_COST_KEYS = 100
+# No groups where the best split leaves one group this much above an equal share (one long
+# prompt chunk beside a few decode rows): the team splitting each op serves that step better.
+GROUP_MAX_SHARE = 1.25
+
+
+def seq_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, threads: int) -> list[int]:
+    """``decoder_layers``' ``seq_groups`` for a step: the sequences at which the 2nd, 3rd, ...
+    of ``threads`` groups begin, each group whole sequences of about equal cost (rows times
+    ``ROW_COST_KEYS`` plus the context), or [] (one team over every op) below two threads or
+    two sequences, outside ``GROUP_MIN_ROWS``..``GROUP_MAX_ROWS`` rows, or without a split
+    within ``GROUP_MAX_SHARE`` of an equal share."""
+    num_seqs = seq_lens.shape[0]
+    groups = min(threads, num_seqs)
+    starts = query_start_loc.tolist()
+    if groups < 2 or not GROUP_MIN_ROWS <= starts[-1] <= GROUP_MAX_ROWS:
+        return []
+    costs = [(starts[i + 1] - starts[i]) * ROW_COST_KEYS + n for i, n in enumerate(seq_lens.tolist())]
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    share = prefix[-1] / groups
+    bounds: list[int] = []
+    for g in range(1, groups):  # the first sequence whose prefix comes nearest g shares
+        lo = bounds[-1] + 1 if bounds else 1
+        hi = num_seqs - (groups - g)
+        bounds.append(min(range(lo, hi + 1), key=lambda i: abs(prefix[i] - g * share)))
+    edges = [0, *bounds, num_seqs]
+    if max(prefix[b] - prefix[a] for a, b in zip(edges, edges[1:])) > GROUP_MAX_SHARE * share:
+        return []
+    return bounds
 
 
 @dataclass
@@ -267,10 +311,11 @@ class LlamaModel:
         added to it (each layer adds its predecessor's in its first norm)."""
         if self.fused_layers and x.shape[0] < self.fused_rows and kv_cache.dtype in (torch.float32, torch.int8):
             spec = self.spec
+            groups = seq_groups(kv.query_start_loc, kv.seq_lens, torch.get_num_threads())
             mlp_out = torch.ops.splitserve.decoder_layers(
                 x, self._decoder_weights(x.shape[0]), cos, sin, kv_cache, kv.slot_mapping, kv.block_tables,
                 kv.seq_lens, kv.query_start_loc, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                spec.intermediate_size, spec.rms_norm_eps, self.scale, self.batch_invariant,
+                spec.intermediate_size, spec.rms_norm_eps, self.scale, self.batch_invariant, groups,
             )
             return x, mlp_out
         mlp_out = None
@@ -349,3 +394,4 @@ class LlamaModel:
         # The residual stream x is this forward's own tensor: updated in place.
         h = ops.add_rms_norm_(x, layer.o(attn.reshape(num_tokens, spec.q_size)), layer.post_norm, spec.rms_norm_eps)
         return layer.down(ops.silu_mul(layer.gate_up(h)))
+

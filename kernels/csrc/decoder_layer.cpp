@@ -18,7 +18,10 @@
 #include <optional>
 #include <vector>
 
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -117,18 +120,12 @@ at::Tensor decoder_layer_cpu(
                       std::nullopt);
 }
 
-at::Tensor decoder_layers_cpu(
-    at::Tensor& x,                                      // [T, hidden], the residual stream, updated in place
-    const c10::intrusive_ptr<DecoderWeights>& weights,  // every layer's (DecoderWeights)
-    const at::Tensor& cos, const at::Tensor& sin,       // [T, 1, D]; sin signed
-    at::Tensor& kv_cache,                               // [layers, 2, ...]: layer i's K is kv_cache[i, 0], V [i, 1]
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate, double eps, double scale, bool batch_invariant) {
-  const int64_t L = weights->num_layers();
-  TORCH_CHECK_VALUE(kv_cache.dim() >= 3 && kv_cache.size(0) == L && kv_cache.size(1) == 2,
-                    "decoder_layers: kv_cache must be [", L, " layers, 2, ...], got ", kv_cache.sizes());
-  const auto& w = weights->tensors;
+// Every layer on one group of rows: x, cos, sin and the step metadata already narrowed to them.
+at::Tensor run_layers(at::Tensor& x, const std::vector<std::optional<at::Tensor>>& w, int64_t L, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+                      double scale, bool batch_invariant) {
   std::optional<at::Tensor> mlp_out;  // each layer's, added to x by the next layer's first norm
   for (int64_t i = 0; i < L; ++i) {
     const int64_t b = i * DecoderWeights::kPerLayer;
@@ -141,6 +138,71 @@ at::Tensor decoder_layers_cpu(
                                 batch_invariant);
   }
   return *mlp_out;
+}
+
+// seq_groups: empty, or the sequences at which the 2nd, 3rd, ... group of rows begins (each
+// group whole sequences, in order). Groups run at once, one per intra-op thread, each through
+// every layer on its own rows with no join between layers: a decode step of many sequences
+// then has one thread's attention (reading the KV cache at the memory's rate) beside the
+// other's GEMMs (at the FMA ports' rate), where a team running each op together waits for
+// both on both. A row's GEMM outputs are the same bits either way (the panels' per-row sums);
+// attention plans each group on one thread (no split keys).
+at::Tensor decoder_layers_cpu(
+    at::Tensor& x,                                      // [T, hidden], the residual stream, updated in place
+    const c10::intrusive_ptr<DecoderWeights>& weights,  // every layer's (DecoderWeights)
+    const at::Tensor& cos, const at::Tensor& sin,       // [T, 1, D]; sin signed
+    at::Tensor& kv_cache,                               // [layers, 2, ...]: layer i's K is kv_cache[i, 0], V [i, 1]
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t intermediate, double eps, double scale, bool batch_invariant, at::IntArrayRef seq_groups) {
+  const int64_t L = weights->num_layers();
+  TORCH_CHECK_VALUE(kv_cache.dim() >= 3 && kv_cache.size(0) == L && kv_cache.size(1) == 2,
+                    "decoder_layers: kv_cache must be [", L, " layers, 2, ...], got ", kv_cache.sizes());
+  const auto& w = weights->tensors;
+  if (seq_groups.empty()) {
+    return run_layers(x, w, L, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_heads,
+                      num_kv_heads, head_dim, intermediate, eps, scale, batch_invariant);
+  }
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK_VALUE(query_start_loc.scalar_type() == at::kLong && query_start_loc.dim() == 1 &&
+                        query_start_loc.size(0) == S + 1 && x.dim() == 2 && x.is_contiguous(),
+                    "decoder_layers: seq_groups needs int64 query_start_loc [", S + 1, "] and a contiguous x");
+  std::vector<int64_t> bounds{0};
+  for (int64_t s : seq_groups) {
+    TORCH_CHECK_VALUE(bounds.back() < s && s < S, "decoder_layers: seq_groups must rise strictly within (0, ",
+                      S, "), got ", seq_groups);
+    bounds.push_back(s);
+  }
+  bounds.push_back(S);
+  const at::Tensor starts = query_start_loc.contiguous();
+  const int64_t* loc = starts.data_ptr<int64_t>();
+  const int64_t G = static_cast<int64_t>(bounds.size()) - 1;
+  struct Group {
+    at::Tensor x, cos, sin, slots, tables, lens, starts;
+    int64_t row0, rows;
+  };
+  std::vector<Group> groups;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t s0 = bounds[g], s1 = bounds[g + 1], r0 = loc[s0], rows = loc[s1] - loc[s0];
+    at::Tensor group_starts = at::empty({s1 - s0 + 1}, starts.options());
+    for (int64_t s = s0; s <= s1; ++s) group_starts.data_ptr<int64_t>()[s - s0] = loc[s] - r0;
+    groups.push_back(Group{x.narrow(0, r0, rows), cos.narrow(0, r0, rows), sin.narrow(0, r0, rows),
+                           slot_mapping.narrow(0, r0, rows), block_tables.narrow(0, s0, s1 - s0),
+                           seq_lens.narrow(0, s0, s1 - s0), group_starts, r0, rows});
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const at::ThreadLocalState caller;  // inference mode and the rest, for the team's other threads
+  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard as_caller(caller);
+    for (int64_t g = begin; g < end; ++g) {
+      Group& grp = groups[g];
+      const at::Tensor mlp_out = run_layers(grp.x, w, L, grp.cos, grp.sin, kv_cache, grp.slots, grp.tables, grp.lens,
+                                            grp.starts, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
+                                            batch_invariant);
+      out.narrow(0, grp.row0, grp.rows).copy_(mlp_out);
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -157,7 +219,7 @@ TORCH_LIBRARY_FRAGMENT(splitserve, m) {
       "decoder_layers(Tensor(a!) x, __torch__.torch.classes.splitserve.DecoderWeights weights, Tensor cos, "
       "Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps, "
-      "float scale, bool batch_invariant=False) -> Tensor");
+      "float scale, bool batch_invariant=False, int[] seq_groups=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) { m.impl("decoder_layers", &splitserve::decoder_layers_cpu); }

@@ -700,7 +700,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
                                               query_start_loc, scale);
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (query.size(0) == 0) return out;
-  PlanInputs inputs = args.plan_inputs(at::get_num_threads());
+  PlanInputs inputs = args.plan_inputs(at::in_parallel_region() ? 1 : at::get_num_threads());
   const auto& g = args.geometry;
   inputs.whole_decode = kHasDirectScores && query.scalar_type() == at::kFloat && g.group <= kDirectMaxRows &&
                         (g.head_dim == 32 || g.head_dim == 64 || g.head_dim == 96 || g.head_dim == 128);

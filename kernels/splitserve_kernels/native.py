@@ -202,7 +202,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("splitserve::decoder_layers")
     def _decoder_layers_fake(x, weights, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                             num_heads, num_kv_heads, head_dim, intermediate, eps, scale, batch_invariant=False):
+                             num_heads, num_kv_heads, head_dim, intermediate, eps, scale, batch_invariant=False,
+                             seq_groups=()):
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("splitserve::write_kv_int8")

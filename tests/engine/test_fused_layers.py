@@ -4,6 +4,7 @@ for bit."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.model_runner import SeqSlice, make_forward_batch
-from engine.models import linear
+from engine.models import linear, llama
 from engine.models.linear import panel_gemm
 from tests.engine.gguf_files import checkpoint_to_gguf
 
@@ -160,3 +161,70 @@ def test_a_forward_of_more_rows_than_the_panels_serve_takes_the_python_route(
         assert calls == []
         runner.model.forward_sequence(list(range(21, 36)), 16, [7, 2], runner.kv_cache)  # 15 tokens: fused
     assert calls == [15]  # one call for every layer
+
+
+@needs_panels
+@pytest.mark.parametrize("config", [{}, {"kv_cache_dtype": "int8"}])
+def test_sequence_groups_give_the_same_bits(config: dict, ckpt_dir: Callable[..., Path],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # From GROUP_MIN_ROWS rows decoder_layers runs the sequences in groups, one per thread, each
+    # through every layer on its own rows (kernels/csrc/decoder_layer.cpp): its slices of x, the
+    # step metadata and query_start_loc rebased to the group. Against the Python route, decode
+    # rows and chunks mixed, at 2 threads' groups whatever this machine has (fewer threads run
+    # the groups one after the other: the same slicing).
+    fused = _runner(ckpt_dir("llama"), True, **config)
+    python = _runner(ckpt_dir("llama"), False, **config)
+    groups_taken: list[list[int]] = []
+    real = llama.seq_groups
+    monkeypatch.setattr(llama, "seq_groups", lambda q, n, threads: groups_taken.append(real(q, n, 2)) or groups_taken[-1])
+    gen = torch.Generator().manual_seed(3)
+    num_seqs = 50
+    seqs = [torch.randint(3, fused.spec.vocab_size, (16,), generator=gen).tolist() for _ in range(num_seqs)]
+    tables = [[i + 1] for i in range(num_seqs)]
+    done = [0] * num_seqs
+    # 50 prompts of 2-9 tokens (past GROUP_MAX_ROWS: no groups), then steps of decode rows with
+    # a 4-token chunk in one.
+    for step in range(4):
+        ends = [d + (2 + (i * 7) % 8 if step == 0 else 1 + (3 if i == step * 7 else 0)) for i, d in enumerate(done)]
+        pieces = [SeqSlice(seq[d:e], d, t) for seq, d, e, t in zip(seqs, done, ends, tables)]
+        rows = list(itertools.accumulate(e - d for d, e in zip(done, ends)))
+        batch = make_forward_batch(pieces, [r - 1 for r in rows], BLOCK, torch.device("cpu"))
+        with torch.inference_mode():
+            want = python.model.forward(batch, python.kv_cache)
+            got = fused.model.forward(batch, fused.kv_cache)
+        assert torch.equal(got, want), step
+        done = ends
+    assert torch.equal(fused.kv_cache, python.kv_cache)
+    assert groups_taken[0] == [] and all(len(g) == 1 for g in groups_taken[1:]), groups_taken
+
+
+def test_seq_groups_split_whole_sequences_by_cost() -> None:
+    def groups(rows: list[int], lens: list[int], threads: int = 2) -> list[int]:
+        starts = torch.tensor([0, *itertools.accumulate(rows)])
+        return llama.seq_groups(starts, torch.tensor(lens), threads)
+
+    assert groups([1] * 64, [100] * 64) == [32]
+    assert groups([1] * 64, [100] * 64, threads=4) == [16, 32, 48]
+    assert groups([1] * 64, [100] * 64, threads=1) == []
+    # the longer contexts first: the first group takes fewer of them
+    assert groups([1] * 48, [400] * 24 + [20] * 24) == [15]
+    assert groups([1] * 47, [100] * 47) == []  # below GROUP_MIN_ROWS
+    assert groups([1] * 129, [100] * 129) == []  # above GROUP_MAX_ROWS
+    assert groups([60, 1, 1], [60, 90, 90]) == []  # no split near an equal share
+    assert groups([30, 30], [30, 30]) == [1]
+
+
+@needs_panels
+def test_decoder_layers_refuse_groups_that_do_not_rise_within_the_sequences(ckpt_dir: Callable[..., Path]) -> None:
+    runner = _runner(ckpt_dir("llama"), True)
+    model, spec = runner.model, runner.spec
+    pieces = [SeqSlice([5, 6], 0, [1]), SeqSlice([7, 8], 0, [2]), SeqSlice([9], 0, [3])]
+    batch = make_forward_batch(pieces, [1, 3, 4], BLOCK, torch.device("cpu"))
+    x = torch.zeros(5, spec.hidden_size)
+    cos, sin = model.cos[batch.positions].unsqueeze(1), model.signed_sin[batch.positions].unsqueeze(1)
+    for bad in ([0], [3], [2, 1], [1, 1]):
+        with pytest.raises(ValueError, match="seq_groups must rise strictly within"):
+            torch.ops.splitserve.decoder_layers(
+                x, model._decoder_weights(5), cos, sin, runner.kv_cache, batch.slot_mapping, batch.block_tables,
+                batch.seq_lens, batch.query_start_loc, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                spec.intermediate_size, spec.rms_norm_eps, model.scale, False, bad)

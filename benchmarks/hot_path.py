@@ -145,7 +145,9 @@ def child_engine(spec: dict) -> dict:
 
         model_dir = ensure_default_model()  # the file the export was made from (module docstring)
     settings = EngineSettings.for_workload(workload)
-    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", **vars(settings)))
+    # Token ids out, no text: vLLM runs with skip_tokenizer_init=True and detokenize=False
+    # (vllm_runner.py), and our serving workers with detokenize=False (the gateway makes text).
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", detokenize=False, **vars(settings)))
     warmup = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.generate([p[:16] for p in prompts[:2]], warmup)
     prepare_seconds = _timed(engine.prepare)

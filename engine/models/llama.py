@@ -54,9 +54,10 @@ from splitserve_kernels.native import native_kernels
 # but its 2048-row prefill steps 8.9 -> 10.0 s, hence the cap.
 GROUP_MIN_ROWS, GROUP_MAX_ROWS = 48, 128
 # What a sequence's row of GEMMs costs, in keys of its attention (one key: its K and V rows
-# read in every layer). With 100 the two groups of a 64-row decode step finished within ~2
-# ms of ~50; with 400, group 0 (the longer contexts there) 3-6 ms after group 1.
-ROW_COST_KEYS = 100
+# read in every layer). The hot_path workload's 64-row decode steps (Zen 5), the later group's
+# finish minus the earlier's and the step's groups: 100 keys +1.7 ms on average (|1.7-2.0|)
+# and 50.2 ms; 170-250 keys +0.3 to +1.0 (|1.3-1.6|) and 47.5-48.6 ms; 400 keys -3 to -6 ms.
+ROW_COST_KEYS = 200
 # No groups where the best split leaves one group this much above an equal share (one long
 # prompt chunk beside a few decode rows): the team splitting each op serves that step better.
 GROUP_MAX_SHARE = 1.25

@@ -89,6 +89,13 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
         if others and others != {quantization}:
             raise ValueError(f"quantization: worker runs {quantization!r}, the registered workers run "
                              f"{sorted(others)!r}")
+        # A stream continued on another worker (a migration, a resumed stream) goes on bit for
+        # bit only if both run --batch-invariant: a cluster that mixes them would keep that
+        # promise for some streams and silently not for others.
+        settings = {w.batch_invariant for w in self.workers.values() if w.address != request.address}
+        if settings and settings != {request.batch_invariant}:
+            raise ValueError(f"batch_invariant: worker runs {request.batch_invariant}, the registered workers run "
+                             f"{not request.batch_invariant}")
         for old in [w for w in self.workers.values() if w.address == request.address]:
             self.drop(old.worker_id, "another process registered at its address")
         channel = PeerChannel(request.address, self.security)
@@ -103,7 +110,8 @@ class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
         entry = WorkerEntry(worker_id, request.role, request.address, channel, stub_type,
                             request.load, request.incarnation,
                             prefix=PrefixIndex(request.kv_layout.block_size, request.load.kv_blocks_total),
-                            quantization=quantization, kv_layout=request.kv_layout)
+                            quantization=quantization, kv_layout=request.kv_layout,
+                            batch_invariant=request.batch_invariant)
         self.workers[worker_id] = entry
         self.changed.set()
         if request.role == common_pb2.WORKER_ROLE_DECODE:

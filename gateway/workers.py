@@ -30,6 +30,7 @@ class WorkerEntry:
     num_routed: int = 0
     num_routed_prefill_tokens: int = 0
     quantization: str = "none"  # as registered (GetInfo)
+    batch_invariant: bool = False  # as registered (GetInfo)
     kv_layout: common_pb2.KVLayout | None = None  # as registered (GetInfo)
 
     @property
@@ -46,5 +47,5 @@ class WorkerEntry:
         return gateway_pb2.WorkerInfo(
             worker_id=self.worker_id, role=self.role, address=self.address, state=self.state,
             load=self.load, heartbeat_age_ms=int((now - self.last_beat) * 1000),
-            quantization=self.quantization, kv_layout=self.kv_layout,
+            quantization=self.quantization, kv_layout=self.kv_layout, batch_invariant=self.batch_invariant,
         )

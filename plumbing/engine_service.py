@@ -189,7 +189,7 @@ def _registrations(config: WorkerConfig, worker: EngineServicer, public: str, te
         return RegistrationClient(
             gateway, worker.role, public, Path(config.engine.model).name, kv_layout_to_proto(engine.kv_layout),
             worker.load_snapshot, worker.incarnation, security=worker.channel_security, kv_events=kv_events,
-            quantization=config.engine.quantization_name,
+            quantization=config.engine.quantization_name, batch_invariant=config.engine.batch_invariant,
         )
 
     return Registrations(parse_source(config.gateway), client, tee, config.gateway_refresh_s)

@@ -43,6 +43,7 @@ class RegistrationClient:
         security: ChannelSecurity | None = None,
         kv_events: KVEventSender | None = None,
         quantization: str = "none",
+        batch_invariant: bool = False,
     ) -> None:
         # The gateway's internal port: mTLS and/or the shared secret (plumbing/channels.py).
         self.gateway = gateway_address
@@ -52,6 +53,7 @@ class RegistrationClient:
         self._model = model
         self._layout = kv_layout
         self._quantization = quantization
+        self._batch_invariant = batch_invariant
         self._load = load
         self.incarnation = incarnation
         self.gateway_incarnation = 0  # from the last registration
@@ -66,7 +68,7 @@ class RegistrationClient:
             gateway_pb2.RegisterWorkerRequest(
                 role=self._role, address=self._address, model=self._model,
                 kv_layout=self._layout, load=self._load(), incarnation=self.incarnation,
-                quantization=self._quantization,
+                quantization=self._quantization, batch_invariant=self._batch_invariant,
             ),
             timeout=5.0,
         )

@@ -111,3 +111,27 @@ def test_batch_invariant_reaches_the_engine_config_and_is_refused_with_quantizat
     assert cfg.engine_config(_worker_args([])).batch_invariant is True
     with pytest.raises(ValueError, match="batch_invariant needs quantization='none', got 'int8'"):
         cfg.engine_config(_worker_args(["--quantization", "int8"]))
+
+
+def test_registrations_carry_batch_invariance_and_a_cluster_does_not_mix_it() -> None:
+    async def run() -> None:
+        load = common_pb2.WorkerLoad(kv_blocks_total=10, kv_blocks_free=10)
+        reg = Registry("m", heartbeat_period_ms=1000, heartbeat_miss_count=3)
+
+        def request(port: int, invariant: bool, role: int = common_pb2.WORKER_ROLE_DECODE) -> object:
+            return gateway_pb2.RegisterWorkerRequest(role=role, address=f"127.0.0.1:{port}", model="m", load=load,
+                                                     incarnation=port, batch_invariant=invariant)
+
+        await reg.RegisterWorker(request(1, True), None)
+        await reg.RegisterWorker(request(2, True, common_pb2.WORKER_ROLE_PREFILL), None)
+        with pytest.raises(ValueError, match="batch_invariant: worker runs False, the registered workers run True"):
+            await reg.RegisterWorker(request(3, False), None)
+        assert [(w.address, w.batch_invariant) for w in reg.info()] == [("127.0.0.1:1", True), ("127.0.0.1:2", True)]
+        with pytest.raises(ValueError, match="batch_invariant: worker runs False"):
+            await reg.RegisterWorker(request(1, False), None)  # worker 1 restarted without the flag
+        assert [(w.address, w.batch_invariant) for w in reg.info()] == [("127.0.0.1:1", True), ("127.0.0.1:2", True)]
+        await reg.RegisterWorker(request(1, True), None)  # and with it: it replaces its old entry
+        assert sorted(w.address for w in reg.info()) == ["127.0.0.1:1", "127.0.0.1:2"]
+        await reg.stop()
+
+    asyncio.run(run())

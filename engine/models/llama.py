@@ -395,4 +395,3 @@ class LlamaModel:
         # The residual stream x is this forward's own tensor: updated in place.
         h = ops.add_rms_norm_(x, layer.o(attn.reshape(num_tokens, spec.q_size)), layer.post_norm, spec.rms_norm_eps)
         return layer.down(ops.silu_mul(layer.gate_up(h)))
-

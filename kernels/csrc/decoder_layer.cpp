@@ -1,7 +1,9 @@
 // A model's Llama decoder layers in one operator call (CPU, float32): per layer, the native
 // ops that engine/models/llama.py's LlamaModel._layer calls one at a time, called here in the
 // same order on the same arguments, so its output, the residual stream and the KV cache are
-// the same bits. What it saves is the Python and the dispatcher between those calls, and the
+// the same bits (in sequence groups, below, attention is planned for one thread and splits no
+// row's keys; where the Python route's team would split a long row's keys, that row's sums
+// are added in another order). What it saves is the Python and the dispatcher between those calls, and the
 // interpreter lock: a custom operator's arguments are let go inside the call, with the lock
 // released, and letting go of the last C++ reference to a tensor Python also holds takes the
 // lock back (torch keeps a tensor's Python object alive while C++ holds it): with a call per

@@ -45,14 +45,16 @@ from engine.quant.linear import (
 from splitserve_kernels import ops
 from splitserve_kernels.native import native_kernels
 
-# decoder_layers' groups (kernels/csrc/decoder_layer.cpp; seq_groups): from GROUP_MIN_ROWS to
-# GROUP_MAX_ROWS rows a step's sequences run as one group per intra-op thread. Measured on
-# the hot_path workload (AMD EPYC Zen 5, 2 threads, decode steps): 8 rows 15.2 -> 23.5 ms and
-# 16 rows 19.0 -> 24.3 (each thread converts or reads every weight: twice the work where the
-# weights, not the rows, set the time), 32 rows 32.1 -> 32.1, 48 rows 46.6 -> 41.9, 64 rows
-# 61 -> 58-59 with contexts of 16-384 keys and 55 -> 49 with 16-144; AVX2 64 rows 99 -> 97-98,
-# but its 2048-row prefill steps 8.9 -> 10.0 s, hence the cap.
-GROUP_MIN_ROWS, GROUP_MAX_ROWS = 48, 128
+# decoder_layers' groups (kernels/csrc/decoder_layer.cpp; seq_groups): a step of
+# GROUP_MIN_ROWS to GROUP_MAX_ROWS rows per intra-op thread runs its sequences as one group
+# per thread. Measured on the hot_path workload (AMD EPYC Zen 5, 2 threads, decode steps): 8
+# rows 15.2 -> 23.5 ms and 16 rows 19.0 -> 24.3 (each thread converts or reads every weight:
+# twice the work where the weights, not the rows, set the time), 32 rows 32.1 -> 32.1, 48 rows
+# 46.6 -> 41.9, 64 rows 61 -> 58-59 with contexts of 16-384 keys and 55 -> 49 with 16-144; AVX2
+# 64 rows 99 -> 97-98, but its 2048-row prefill steps 8.9 -> 10.0 s, hence the cap. Per thread,
+# because what pays is each thread's GEMMs having rows enough for its own pass over the
+# weights (more threads have not been measured).
+GROUP_MIN_ROWS, GROUP_MAX_ROWS = 24, 64
 # What a sequence's row of GEMMs costs, in keys of its attention (one key: its K and V rows
 # read in every layer). The hot_path workload's 64-row decode steps (Zen 5), the later group's
 # finish minus the earlier's and the step's groups: 100 keys +1.7 ms on average (|1.7-2.0|)
@@ -66,13 +68,12 @@ GROUP_MAX_SHARE = 1.25
 def seq_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, threads: int) -> list[int]:
     """``decoder_layers``' ``seq_groups`` for a step: the sequences at which the 2nd, 3rd, ...
     of ``threads`` groups begin, each group whole sequences of about equal cost (rows times
-    ``ROW_COST_KEYS`` plus the context), or [] (one team over every op) below two threads or
-    two sequences, outside ``GROUP_MIN_ROWS``..``GROUP_MAX_ROWS`` rows, or without a split
-    within ``GROUP_MAX_SHARE`` of an equal share."""
-    num_seqs = seq_lens.shape[0]
-    groups = min(threads, num_seqs)
+    ``ROW_COST_KEYS`` plus the context), or [] (one team over every op) below two threads, with
+    fewer sequences than threads, outside ``GROUP_MIN_ROWS``..``GROUP_MAX_ROWS`` rows per
+    thread, or without a split within ``GROUP_MAX_SHARE`` of an equal share."""
+    num_seqs, groups = seq_lens.shape[0], threads
     starts = query_start_loc.tolist()
-    if groups < 2 or not GROUP_MIN_ROWS <= starts[-1] <= GROUP_MAX_ROWS:
+    if groups < 2 or num_seqs < groups or not GROUP_MIN_ROWS * groups <= starts[-1] <= GROUP_MAX_ROWS * groups:
         return []
     costs = [(starts[i + 1] - starts[i]) * ROW_COST_KEYS + n for i, n in enumerate(seq_lens.tolist())]
     prefix = [0]

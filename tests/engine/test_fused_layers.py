@@ -167,7 +167,7 @@ def test_a_forward_of_more_rows_than_the_panels_serve_takes_the_python_route(
 @pytest.mark.parametrize("config", [{}, {"kv_cache_dtype": "int8"}])
 def test_sequence_groups_give_the_same_bits(config: dict, ckpt_dir: Callable[..., Path],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    # From GROUP_MIN_ROWS rows decoder_layers runs the sequences in groups, one per thread, each
+    # From GROUP_MIN_ROWS rows a thread decoder_layers runs the sequences in groups, one per thread, each
     # through every layer on its own rows (kernels/csrc/decoder_layer.cpp): its slices of x, the
     # step metadata and query_start_loc rebased to the group. Against the Python route, decode
     # rows and chunks mixed, at 2 threads' groups whatever this machine has (fewer threads run
@@ -204,12 +204,15 @@ def test_seq_groups_split_whole_sequences_by_cost() -> None:
         return llama.seq_groups(starts, torch.tensor(lens), threads)
 
     assert groups([1] * 64, [100] * 64) == [32]
-    assert groups([1] * 64, [100] * 64, threads=4) == [16, 32, 48]
+    assert groups([1] * 96, [100] * 96, threads=4) == [24, 48, 72]
+    assert groups([1] * 64, [100] * 64, threads=4) == []  # 16 rows a thread: below GROUP_MIN_ROWS
+    assert groups([1] * 40, [100] * 40) == []  # 20 rows a thread
     assert groups([1] * 64, [100] * 64, threads=1) == []
     # the longer contexts first: the first group takes fewer of them
     assert groups([1] * 48, [400] * 24 + [20] * 24) == [16]
-    assert groups([1] * 47, [100] * 47) == []  # below GROUP_MIN_ROWS
-    assert groups([1] * 129, [100] * 129) == []  # above GROUP_MAX_ROWS
+    assert groups([1] * 48, [100] * 48) == [24]
+    assert groups([1] * 47, [100] * 47) == []  # below GROUP_MIN_ROWS a thread
+    assert groups([1] * 129, [100] * 129) == []  # above GROUP_MAX_ROWS a thread
     assert groups([60, 1, 1], [60, 90, 90]) == []  # no split near an equal share
     assert groups([30, 30], [30, 30]) == [1]
 

@@ -126,10 +126,10 @@ def test_registrations_carry_batch_invariance_and_a_cluster_does_not_mix_it() ->
         await reg.RegisterWorker(request(2, True, common_pb2.WORKER_ROLE_PREFILL), None)
         with pytest.raises(ValueError, match="batch_invariant: worker runs False, the registered workers run True"):
             await reg.RegisterWorker(request(3, False), None)
-        assert [(w.address, w.batch_invariant) for w in reg.info()] == [("127.0.0.1:1", True), ("127.0.0.1:2", True)]
+        assert sorted((w.address, w.batch_invariant) for w in reg.info()) == [("127.0.0.1:1", True), ("127.0.0.1:2", True)]
         with pytest.raises(ValueError, match="batch_invariant: worker runs False"):
             await reg.RegisterWorker(request(1, False), None)  # worker 1 restarted without the flag
-        assert [(w.address, w.batch_invariant) for w in reg.info()] == [("127.0.0.1:1", True), ("127.0.0.1:2", True)]
+        assert sorted((w.address, w.batch_invariant) for w in reg.info()) == [("127.0.0.1:1", True), ("127.0.0.1:2", True)]
         await reg.RegisterWorker(request(1, True), None)  # and with it: it replaces its old entry
         assert sorted(w.address for w in reg.info()) == ["127.0.0.1:1", "127.0.0.1:2"]
         await reg.stop()

@@ -40,8 +40,8 @@ class EngineConfig:
     keys alone: a request's logits are the same bits whatever else its steps carry, and a
     prefill of prompt + sent tokens continues its stream bit for bit. It needs the native
     library and float32 weights, and refuses quantization and speculative decoding (whether a
-    request speculates depends on the batch, and a sampled request's tokens on its drafts). docs/architecture.md, "Batch invariance", says what it
-    covers and what it costs.
+    request speculates depends on the batch, and a sampled request's tokens on its drafts).
+    docs/architecture.md, "Batch invariance", says what it covers and what it costs.
     """
 
     model: str

@@ -72,8 +72,10 @@ def seq_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, threads: i
     fewer sequences than threads, outside ``GROUP_MIN_ROWS``..``GROUP_MAX_ROWS`` rows per
     thread, or without a split within ``GROUP_MAX_SHARE`` of an equal share."""
     num_seqs, groups = seq_lens.shape[0], threads
+    if groups < 2 or num_seqs < groups:
+        return []
     starts = query_start_loc.tolist()
-    if groups < 2 or num_seqs < groups or not GROUP_MIN_ROWS * groups <= starts[-1] <= GROUP_MAX_ROWS * groups:
+    if not GROUP_MIN_ROWS * groups <= starts[-1] <= GROUP_MAX_ROWS * groups:
         return []
     costs = [(starts[i + 1] - starts[i]) * ROW_COST_KEYS + n for i, n in enumerate(seq_lens.tolist())]
     prefix = [0]
